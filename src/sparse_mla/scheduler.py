@@ -1,0 +1,199 @@
+"""Tile scheduler of the split-KV sparse decode (seed step 3, DESIGN §5).
+
+The work of batch ``i`` is ``num_blocks[i] = ceil(max(topk_eff_i, 1) / 64)`` blocks of 64 top-k
+indices (plus ``ceil(extra_topk_eff_i / 64)`` blocks of the extra cache), and each batch a
+partition touches costs a fixed overhead of 5 blocks (loading q, initialising the softmax
+state, writing the result). ``num_sm_parts`` partitions, each worth
+``ceil(total / num_sm_parts) + 5``, are filled greedily from left to right; a batch that does
+not fit is split across partitions, and its partial results are merged by the combine step.
+
+Each partition is one row of ``tile_scheduler_metadata`` (int32, :data:`META_FIELDS` columns)::
+
+    begin_req, end_req            first and last batch (inclusive) the partition touches
+    begin_block, end_block        first block of begin_req, end block (exclusive) of end_req
+    begin_split                   split index of the begin_req piece inside that batch
+    is_first_req_splitted         begin_req started in an earlier partition
+    is_last_req_splitted          end_req continues in a later partition
+    (pad)
+
+An idle partition has ``begin_req = b`` (> ``end_req``). ``num_splits`` is the prefix sum
+``[0, n_0, n_0 + n_1, ...]`` of the number of pieces of every batch: batch ``i``'s partial
+results live at rows ``num_splits[i] .. num_splits[i+1]-1`` of the fp32 accumulators.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = [
+    "TOPK_BLOCK_SIZE",
+    "FIXED_OVERHEAD_NUM_BLOCKS",
+    "META_FIELDS",
+    "ScheduleTable",
+    "compute_num_sm_parts",
+    "batch_num_blocks",
+    "schedule",
+]
+
+TOPK_BLOCK_SIZE = 64
+FIXED_OVERHEAD_NUM_BLOCKS = 5
+META_FIELDS = (
+    "begin_req",
+    "end_req",
+    "begin_block",
+    "end_block",
+    "begin_split",
+    "is_first_req_splitted",
+    "is_last_req_splitted",
+    "pad",
+)
+
+
+def compute_num_sm_parts(num_sms: int, s_q: int, h_q: int, heads_per_cta: int = 64) -> int:
+    """Partitions per query token: ``max(num_sms // s_q // ceil(h_q / heads_per_cta), 1)``.
+
+    A partition runs ``ceil(h_q / heads_per_cta)`` programs for each of the ``s_q`` query tokens,
+    so ``num_sm_parts * s_q * ceil(h_q / heads_per_cta)`` programs about fill ``num_sms`` SMs.
+    Seed: 132 SMs, s_q = 1, h_q = 128, 64 heads per CTA -> 66.
+    """
+    for name, v in (("num_sms", num_sms), ("s_q", s_q), ("h_q", h_q), ("heads_per_cta", heads_per_cta)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    return max(num_sms // s_q // (-(-h_q // heads_per_cta)), 1)
+
+
+def batch_num_blocks(
+    b: int,
+    topk: int,
+    topk_length: Optional[Sequence[int]] = None,
+    extra_topk: int = 0,
+    extra_topk_length: Optional[Sequence[int]] = None,
+    block_size: int = TOPK_BLOCK_SIZE,
+) -> tuple[list[int], list[int]]:
+    """Blocks of work per batch: ``(main_blocks, total_blocks)``.
+
+    ``main_blocks[i] = ceil(min(topk_length[i], topk) / block_size)`` (blocks over the main
+    cache's indices), followed by ``ceil(extra_len / block_size)`` blocks over the extra cache;
+    a batch with nothing to attend still counts one (empty) block, so it writes out = 0 and
+    lse = +inf.
+    """
+    main, total = [], []
+    for i in range(b):
+        n = topk if topk_length is None else max(0, min(int(topk_length[i]), topk))
+        e = extra_topk if extra_topk_length is None else max(0, min(int(extra_topk_length[i]), extra_topk))
+        mb = -(-n // block_size)
+        tb = mb + (-(-e // block_size))
+        main.append(mb)
+        total.append(max(tb, 1))
+    return main, total
+
+
+@dataclass
+class ScheduleTable:
+    """The scheduler's output on the host (lists) and as device tensors.
+
+    Attributes:
+        num_sm_parts: number of partitions (rows of ``metadata``).
+        metadata: ``[num_sm_parts, 8]`` int32, columns :data:`META_FIELDS`.
+        num_splits: ``[b + 1]`` int32 prefix sums of pieces per batch.
+        main_blocks: ``[b]`` int32 blocks over the main cache per batch.
+        num_blocks: per-batch total blocks (host list).
+        payload: capacity of one partition in blocks (overhead included).
+    """
+
+    num_sm_parts: int
+    metadata: torch.Tensor
+    num_splits: torch.Tensor
+    main_blocks: torch.Tensor
+    num_blocks: list[int]
+    payload: int
+
+    def rows(self) -> list[dict[str, int]]:
+        """The metadata as a list of dicts (for printing and tests)."""
+        return [dict(zip(META_FIELDS, map(int, r))) for r in self.metadata.tolist()]
+
+    def to(self, device: torch.device) -> "ScheduleTable":
+        return ScheduleTable(
+            self.num_sm_parts,
+            self.metadata.to(device),
+            self.num_splits.to(device),
+            self.main_blocks.to(device),
+            self.num_blocks,
+            self.payload,
+        )
+
+
+def schedule(
+    num_blocks: Sequence[int],
+    num_sm_parts: int,
+    fixed_overhead: int = FIXED_OVERHEAD_NUM_BLOCKS,
+    main_blocks: Optional[Sequence[int]] = None,
+) -> ScheduleTable:
+    """Greedy left-to-right partition of ``num_blocks`` over ``num_sm_parts`` (host side, exact).
+
+    Args:
+        num_blocks: blocks of work per batch (each >= 1).
+        num_sm_parts: partitions to fill (>= 1).
+        fixed_overhead: cost of touching one batch, in blocks (5 as in FlashMLA).
+        main_blocks: blocks over the main cache per batch (defaults to ``num_blocks``).
+
+    Returns:
+        :class:`ScheduleTable` on the CPU.
+
+    Raises:
+        ValueError: ``num_blocks`` contains a value < 1 or ``num_sm_parts`` < 1.
+    """
+    b = len(num_blocks)
+    if num_sm_parts < 1:
+        raise ValueError(f"num_sm_parts: expected >= 1, got {num_sm_parts}")
+    if any(int(n) < 1 for n in num_blocks):
+        raise ValueError("num_blocks: every batch needs at least one block")
+    total = sum(int(n) + fixed_overhead for n in num_blocks)
+    payload = -(-total // num_sm_parts) + fixed_overhead
+    meta = []
+    prefix = [0] * (b + 1)
+    cum = 0
+    req, blk, split = 0, 0, 0
+    for _ in range(num_sm_parts):
+        begin_req, begin_block, begin_split = req, blk, split
+        first_splitted = int(blk > 0)
+        remain = payload
+        while req < b:
+            need = int(num_blocks[req]) - blk + fixed_overhead
+            if need <= remain:
+                remain -= need
+                cum += split + 1
+                prefix[req + 1] = cum
+                req, blk, split = req + 1, 0, 0
+            else:
+                take = remain - fixed_overhead
+                if take > 0:
+                    blk += take
+                    split += 1
+                break
+        if req >= b and begin_req >= b:
+            meta.append([b, b - 1, 0, 0, 0, 0, 0, 0])  # idle
+            continue
+        if blk > 0 and (req > begin_req or blk > begin_block):
+            end_req, end_block, last_splitted = req, blk, 1
+        else:
+            end_req = req - 1
+            end_block = int(num_blocks[end_req])
+            last_splitted = 0
+        if end_req < begin_req:  # could not take even one block (cannot happen with payload >= overhead + 1)
+            meta.append([b, b - 1, 0, 0, 0, 0, 0, 0])
+            continue
+        meta.append([begin_req, end_req, begin_block, end_block, begin_split, first_splitted, last_splitted, 0])
+    if req < b:
+        raise RuntimeError("scheduler: work left after the last partition (internal error)")
+    mb = list(num_blocks) if main_blocks is None else list(main_blocks)
+    return ScheduleTable(
+        num_sm_parts=num_sm_parts,
+        metadata=torch.tensor(meta, dtype=torch.int32).view(num_sm_parts, len(META_FIELDS)),
+        num_splits=torch.tensor(prefix, dtype=torch.int32),
+        main_blocks=torch.tensor(mb, dtype=torch.int32),
+        num_blocks=[int(n) for n in num_blocks],
+        payload=payload,
+    )
