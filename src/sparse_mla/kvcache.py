@@ -228,8 +228,14 @@ def gather_dequant_tokens(
     raw = cache_bytes(k_cache)
     nb, pbs = raw.shape[0], raw.shape[1]
     sb = raw.stride(0)
-    # a flat byte view covering every block, starting at the cache's first byte
-    span = (nb - 1) * sb + lay.block_bytes(pbs) if nb > 0 else 0
+    # a flat byte view covering every block, starting at the cache's first byte; a V32 block
+    # spans (pbs - 1) token strides + one record (the token stride may exceed 656 B in a pool
+    # that interleaves layers per token)
+    if lay.name == "V32":
+        block_span = (pbs - 1) * raw.stride(1) + lay.bytes_per_token if pbs > 0 else 0
+    else:
+        block_span = lay.block_bytes(pbs)
+    span = (nb - 1) * sb + block_span if nb > 0 else 0
     flat = raw.as_strided((span,), (1,))
     idx = token_idx.reshape(-1).long()
     blk, off = idx // pbs, idx % pbs

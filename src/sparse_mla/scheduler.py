@@ -101,6 +101,8 @@ class ScheduleTable:
         main_blocks: ``[b]`` int32 blocks over the main cache per batch.
         num_blocks: per-batch total blocks (host list).
         payload: capacity of one partition in blocks (overhead included).
+        num_blocks_t: ``[b]`` int32, ``num_blocks`` as a tensor (read by the kernels).
+        any_split: whether some batch has more than one piece (the combine step is needed).
     """
 
     num_sm_parts: int
@@ -109,6 +111,8 @@ class ScheduleTable:
     main_blocks: torch.Tensor
     num_blocks: list[int]
     payload: int
+    num_blocks_t: torch.Tensor
+    any_split: bool
 
     def rows(self) -> list[dict[str, int]]:
         """The metadata as a list of dicts (for printing and tests)."""
@@ -122,6 +126,8 @@ class ScheduleTable:
             self.main_blocks.to(device),
             self.num_blocks,
             self.payload,
+            self.num_blocks_t.to(device),
+            self.any_split,
         )
 
 
@@ -196,4 +202,6 @@ def schedule(
         main_blocks=torch.tensor(mb, dtype=torch.int32),
         num_blocks=[int(n) for n in num_blocks],
         payload=payload,
+        num_blocks_t=torch.tensor([int(n) for n in num_blocks], dtype=torch.int32),
+        any_split=any(prefix[i + 1] - prefix[i] > 1 for i in range(b)),
     )

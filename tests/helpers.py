@@ -1,0 +1,211 @@
+"""Shared helpers of the test suite (random caches and problems, the FlashMLA tolerance check).
+
+Import from a test file with ``from helpers import ...`` (``tests/conftest.py`` puts this folder
+on ``sys.path``). Kernel tests reuse :func:`make_problem` and :func:`check_decode_close`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sparse_mla.kvcache import get_layout, quantize_k_cache
+
+# DESIGN §6: the tolerances FlashMLA's own tests use against an fp32 reference.
+OUT_ABS_TOL = 1e-3
+OUT_REL_TOL = 2.01 / 128
+LSE_ABS_TOL = 1e-6
+LSE_REL_TOL = 8 / 65536
+COS_DIFF_TOL = 5e-6
+
+
+def has_triton_ops() -> bool:
+    """True when the Triton decode kernel module exists (it is written separately)."""
+    try:
+        return importlib.util.find_spec("sparse_mla.ops.sparse_decode") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def triton_interpret_enabled() -> bool:
+    """``TRITON_INTERPRET=1`` at start-up: ``triton.jit`` reads it when a kernel is *decorated*,
+    so setting it inside a test is too late for a module already imported."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def cos_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """FlashMLA's cosine distance ``1 - 2<x,y> / (|x|^2 + |y|^2)`` in float64 (0 for ~zero ref)."""
+    x, y = x.double(), y.double()
+    if (y * y).sum().item() < 1e-12 and (x * x).sum().item() < 1e-12:
+        return 0.0
+    den = (x * x + y * y).sum().item()
+    return 1.0 - 2.0 * (x * y).sum().item() / den
+
+
+def _check_close(name: str, ans: torch.Tensor, ref: torch.Tensor, abs_tol: float, rel_tol: float, cos_tol: float) -> None:
+    assert ans.shape == ref.shape, f"{name}: shape {list(ans.shape)} != reference {list(ref.shape)}"
+    ans = ans.detach().float().cpu().clone()
+    ref = ref.detach().float().cpu().clone()
+    # anomalies (+inf, -inf, NaN) must sit at exactly the same places, then are zeroed
+    for label, fa, fr in (
+        ("+inf", torch.isposinf(ans), torch.isposinf(ref)),
+        ("-inf", torch.isneginf(ans), torch.isneginf(ref)),
+        ("nan", torch.isnan(ans), torch.isnan(ref)),
+    ):
+        if not torch.equal(fa, fr):
+            bad = (fa != fr).nonzero()[:5].tolist()
+            raise AssertionError(
+                f"{name}: {label} entries differ from the reference ({int(fa.sum())} vs {int(fr.sum())}; first at {bad})"
+            )
+        ans[fa] = 0.0
+        ref[fr] = 0.0
+    err = (ans - ref).abs()
+    tol = abs_tol + rel_tol * ref.abs()
+    over = err > tol
+    if over.any():
+        i = int(torch.argmax(err - tol))
+        idx = list(torch.unravel_index(torch.tensor(i), ans.shape))
+        raise AssertionError(
+            f"{name}: {int(over.sum())}/{ans.numel()} entries out of tolerance (|d| <= {abs_tol:g} + {rel_tol:g}|ref|); "
+            f"worst at {[int(t) for t in idx]}: got {ans.flatten()[i].item():.7g}, ref {ref.flatten()[i].item():.7g}; "
+            f"max |d| = {err.max().item():.3g}"
+        )
+    cd = cos_diff(ans, ref)
+    assert cd <= cos_tol, f"{name}: cosine distance {cd:.3g} > {cos_tol:g}"
+
+
+def check_decode_close(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor) -> None:
+    """Assert a decode result is within DESIGN §6 of the fp32 reference.
+
+    out: ``|Δ| <= 1e-3 + 2.01/128·|ref|`` elementwise and cosine distance <= 5e-6;
+    lse: ``|Δ| <= 1e-6 + 8/65536·|ref|`` (``+inf`` of lonely queries must match exactly).
+    Non-finite entries must coincide. Shapes must match; dtypes are not compared (out is bf16,
+    the reference fp32).
+    """
+    assert torch.isfinite(out.float()).all(), "out: has non-finite entries"
+    _check_close("out", out, ref_out, OUT_ABS_TOL, OUT_REL_TOL, COS_DIFF_TOL)
+    _check_close("lse", lse, ref_lse, LSE_ABS_TOL, LSE_REL_TOL, COS_DIFF_TOL)
+
+
+# ---------------------------------------------------------------- random inputs
+
+
+def random_latent_k(
+    num_blocks: int, page_block_size: int, d_qk: int, seed: int, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """``[num_blocks, pbs, 1, d_qk]`` random latent vectors; every token and 64-value tile gets
+    its own magnitude (10^-2 .. 10^1) so the caches use a spread of scales."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_blocks, page_block_size, 1, d_qk, generator=g)
+    mag = 10.0 ** (torch.rand(num_blocks, page_block_size, 1, d_qk // 64, generator=g) * 3 - 2)
+    k = k * mag.repeat_interleave(64, dim=-1)
+    return k.to(dtype)
+
+
+def make_cache(
+    layout: str, num_blocks: int, page_block_size: int, seed: int, out_dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 latent cache and its FP8 quantisation: ``(k_bf16, k_cache)``."""
+    lay = get_layout(layout)
+    k = random_latent_k(num_blocks, page_block_size, lay.d_qk, seed)
+    return k, quantize_k_cache(k, lay, out_dtype=out_dtype)
+
+
+def random_indices(
+    b: int, s_q: int, topk: int, num_tokens: int, seed: int, invalid_frac: float = 0.1,
+    exclude: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``[b, s_q, topk]`` int32 cache indices: distinct valid tokens per query (like a top-k) with a
+    fraction replaced by ``-1`` or out-of-range values (``num_tokens``, ``num_tokens + 7``, ...).
+
+    ``exclude``: bool ``[num_tokens]`` of slots never to pick (e.g. slots filled with NaN).
+    """
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.arange(num_tokens)
+    if exclude is not None:
+        allowed = allowed[~exclude]
+    n = allowed.numel()
+    out = torch.empty(b, s_q, topk, dtype=torch.int64)
+    for i in range(b):
+        for s in range(s_q):
+            if n >= topk:
+                pick = allowed[torch.randperm(n, generator=g)[:topk]]
+            else:
+                pick = allowed[torch.randint(0, n, (topk,), generator=g)]
+            out[i, s] = pick
+    r = torch.rand(b, s_q, topk, generator=g)
+    bad = torch.randint(0, 3, (b, s_q, topk), generator=g)
+    bad_val = torch.where(bad == 0, torch.full_like(out, -1), num_tokens + 7 * bad)
+    out = torch.where(r < invalid_frac, bad_val, out)
+    return out.to(torch.int32)
+
+
+@dataclass
+class Problem:
+    """A random sparse decode problem (all arguments of the reference / the API)."""
+
+    q: torch.Tensor
+    k: torch.Tensor  # bf16 latent cache before quantisation
+    k_cache: torch.Tensor
+    indices: torch.Tensor
+    layout: str
+    topk_length: Optional[torch.Tensor] = None
+    attn_sink: Optional[torch.Tensor] = None
+    extra_k_cache: Optional[torch.Tensor] = None
+    extra_indices: Optional[torch.Tensor] = None
+    extra_topk_length: Optional[torch.Tensor] = None
+
+    def ref_kwargs(self) -> dict:
+        return dict(
+            topk_length=self.topk_length, attn_sink=self.attn_sink, extra_k_cache=self.extra_k_cache,
+            extra_indices=self.extra_indices, extra_topk_length=self.extra_topk_length,
+        )
+
+    def api_kwargs(self) -> dict:
+        return dict(
+            indices=self.indices, topk_length=self.topk_length, attn_sink=self.attn_sink,
+            extra_k_cache=self.extra_k_cache, extra_indices_in_kvcache=self.extra_indices,
+            extra_topk_length=self.extra_topk_length,
+        )
+
+
+def make_problem(
+    b: int = 2,
+    s_q: int = 1,
+    h_q: int = 16,
+    topk: int = 128,
+    layout: str = "V32",
+    num_blocks: int = 6,
+    page_block_size: int = 64,
+    seed: int = 0,
+    invalid_frac: float = 0.1,
+    topk_length: Optional[list[int]] = None,
+    extra_topk: int = 0,
+    extra_topk_length: Optional[list[int]] = None,
+    attn_sink: Optional[list[float]] = None,
+    out_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> Problem:
+    """A random problem; ``attn_sink`` values are cycled over the heads."""
+    lay = get_layout(layout)
+    g = torch.Generator().manual_seed(seed + 1000)
+    k, kc = make_cache(layout, num_blocks, page_block_size, seed, out_dtype)
+    n_tok = num_blocks * page_block_size
+    # q of a magnitude that gives a peaked but not one-hot softmax
+    q = (torch.randn(b, s_q, h_q, lay.d_qk, generator=g) * 2.0).to(torch.bfloat16)
+    idx = random_indices(b, s_q, topk, n_tok, seed + 1, invalid_frac)
+    p = Problem(q=q, k=k, k_cache=kc, indices=idx, layout=layout)
+    if topk_length is not None:
+        p.topk_length = torch.tensor(topk_length, dtype=torch.int32)
+    if extra_topk:
+        _, ekc = make_cache(layout, 3, 32, seed + 2, out_dtype)
+        p.extra_k_cache = ekc
+        p.extra_indices = random_indices(b, s_q, extra_topk, 3 * 32, seed + 3, invalid_frac)
+        if extra_topk_length is not None:
+            p.extra_topk_length = torch.tensor(extra_topk_length, dtype=torch.int32)
+    if attn_sink is not None:
+        vals = [attn_sink[i % len(attn_sink)] for i in range(h_q)]
+        p.attn_sink = torch.tensor(vals, dtype=torch.float32)
+    return p

@@ -1,0 +1,107 @@
+"""The command line: ``sparse-mla demo`` (run in a subprocess: the demo sets TRITON_INTERPRET)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import has_triton_ops
+from sparse_mla import cli
+
+
+def _run(*args: str, env_update: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.update({"COLUMNS": "160", "NO_COLOR": "1"})
+    env.update(env_update or {})
+    return subprocess.run(
+        [sys.executable, "-m", "sparse_mla", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+# facts of the seed's worked example that the demo prints from the code
+SEED_FACTS = [
+    "d_qk", "576", "ue8m0",                                       # a. config
+    "2^-9", "0x70", "0-511", "512-527", "528-655", "656", "584",   # b. one token
+    "= 66", "payload = ceil(14 / 66) + 5 = 6", "num_splits = [0, 2, 4]", "partitions 4-65 idle",  # c.
+    "[2, 1, 128, 512] bfloat16", "[2, 128, 1] float32",            # d. shapes
+    "0.7579", "0.2333", "1.9911", "0.1353",                        # e. combine
+]
+
+
+def test_demo_reference_passes_and_prints_the_seed_example():
+    r = _run("demo", "--reference", "--device", "cpu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    for fact in SEED_FACTS:
+        assert fact in out, f"missing {fact!r} in the demo output:\n{out}"
+    assert "PyTorch reference" in out and "PASS" in out
+    # the four busy partitions of the seed's table: begin/end req, begin/end block, split, flags
+    rows = [line.split() for line in out.splitlines() if line.startswith("│") and line.count("│") == 9]
+    busy = [[int(x) for x in row if x != "│"] for row in rows if all(x == "│" or x.isdigit() for x in row)]
+    assert busy == [
+        [0, 0, 0, 0, 1, 0, 0, 1],
+        [1, 0, 0, 1, 2, 1, 1, 0],
+        [2, 1, 1, 0, 1, 0, 0, 1],
+        [3, 1, 1, 1, 2, 1, 1, 0],
+    ]
+
+
+def test_demo_seed_option_changes_the_inputs():
+    a = _run("demo", "--reference", "--device", "cpu", "--seed", "1")
+    b = _run("demo", "--reference", "--device", "cpu", "--seed", "2")
+    assert a.returncode == 0 and b.returncode == 0
+    line = lambda s: next(x for x in s.splitlines() if x.startswith("out[0, 0, 0, :4]"))  # noqa: E731
+    assert line(a.stdout) != line(b.stdout)
+
+
+@pytest.mark.skipif(not has_triton_ops(), reason="sparse_mla.ops.sparse_decode not written yet")
+def test_demo_triton_interpreter_passes():
+    r = _run("demo", "--device", "cpu", env_update={"TRITON_INTERPRET": "1"})
+    assert "Triton interpreter on CPU" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.gpu
+def test_demo_cuda_passes():
+    r = _run("demo", "--device", "cuda")
+    assert "Triton kernels on CUDA" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_demo_without_kernels_says_so():
+    code = (
+        "import sys; sys.modules['sparse_mla.ops.sparse_decode'] = None\n"
+        "from sparse_mla.cli import main; sys.exit(main(['demo', '--device', 'cpu']))"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", NO_COLOR="1", COLUMNS="160")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Triton kernels are not available" in r.stdout and "--reference" in r.stdout
+
+
+def test_parser():
+    p = cli.build_parser()
+    assert p.parse_args(["demo"]).command == "demo"
+    a = p.parse_args(["demo", "--seed", "7", "--reference"])
+    assert a.seed == 7 and a.reference and a.device == "auto"
+    with pytest.raises(SystemExit) as e:
+        p.parse_args([])  # a subcommand is required
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--version"])
+    assert e.value.code == 0
+
+
+def test_cuda_device_without_cuda_is_an_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(SystemExit, match="cuda"):
+        cli.main(["demo", "--device", "cuda"])
+
+
+def test_ranges():
+    assert cli._ranges([4, 5, 6, 9, 11, 12]) == "4-6, 9, 11-12"
+    assert cli._ranges([]) == ""
