@@ -31,10 +31,19 @@ SEED_FACTS = [
 ]
 
 
-def test_demo_reference_passes_and_prints_the_seed_example():
-    r = _run("demo", "--reference", "--device", "cpu")
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = r.stdout
+def _demo_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """``--reference`` runs change no environment variable for good, so they can run in-process."""
+    monkeypatch.setenv("COLUMNS", "160")
+    monkeypatch.setenv("NO_COLOR", "1")
+    before = os.environ.get("TRITON_INTERPRET")
+    rc = cli.main(["demo", "--reference", "--device", "cpu", *args])
+    assert os.environ.get("TRITON_INTERPRET") == before
+    return rc, capsys.readouterr().out
+
+
+def test_demo_reference_passes_and_prints_the_seed_example(monkeypatch, capsys):
+    rc, out = _demo_in_process(monkeypatch, capsys)
+    assert rc == 0, out
     for fact in SEED_FACTS:
         assert fact in out, f"missing {fact!r} in the demo output:\n{out}"
     assert "PyTorch reference" in out and "PASS" in out
@@ -49,12 +58,18 @@ def test_demo_reference_passes_and_prints_the_seed_example():
     ]
 
 
-def test_demo_seed_option_changes_the_inputs():
-    a = _run("demo", "--reference", "--device", "cpu", "--seed", "1")
-    b = _run("demo", "--reference", "--device", "cpu", "--seed", "2")
-    assert a.returncode == 0 and b.returncode == 0
+def test_demo_seed_option_changes_the_inputs(monkeypatch, capsys):
     line = lambda s: next(x for x in s.splitlines() if x.startswith("out[0, 0, 0, :4]"))  # noqa: E731
-    assert line(a.stdout) != line(b.stdout)
+    rc1, a = _demo_in_process(monkeypatch, capsys, "--seed", "1")
+    rc2, b = _demo_in_process(monkeypatch, capsys, "--seed", "2")
+    assert rc1 == 0 and rc2 == 0
+    assert line(a) != line(b)
+
+
+def test_python_dash_m_reference():
+    r = _run("demo", "--reference", "--device", "cpu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASS" in r.stdout and "partitions 4-65 idle" in r.stdout
 
 
 @pytest.mark.skipif(not has_triton_ops(), reason="sparse_mla.ops.sparse_decode not written yet")
