@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_decode_close, random_latent_k
+from helpers import check_decode_close
 
 import sparse_mla as flash_mla
 from sparse_mla.kvcache import abs_indices_to_kvcache_indices, quantize_k_cache
@@ -36,7 +36,10 @@ def paged_context(b, max_ctx, page_block_size, layout, seed, min_ctx=None):
         table[i, :n] = perm[at : at + n].int()
         at += n
     d_qk = 576 if layout == "V32" else 512
-    k = random_latent_k(total, page_block_size, d_qk, seed).to(DEV)
+    gd = torch.Generator(device=DEV).manual_seed(seed)
+    k = torch.randn(total, page_block_size, 1, d_qk, device=DEV, generator=gd)
+    mag = 10.0 ** (torch.rand(total, page_block_size, 1, d_qk // 64, device=DEV, generator=gd) * 3 - 2)
+    k = (k * mag.repeat_interleave(64, dim=-1)).to(torch.bfloat16)
     return quantize_k_cache(k, layout), table.to(DEV), ctx
 
 
