@@ -7,5 +7,5 @@ export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 python3 -m pytest -q -p no:cacheprovider tests/ "${@}" 2>&1 | tee "$OUT/pytest.log" | tail -25
 status=${PIPESTATUS[0]}
-python3 benchmarks/bench_decode.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+python3 benchmarks/bench_decode.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 exit $status
