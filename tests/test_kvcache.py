@@ -13,7 +13,6 @@ from helpers import make_cache, random_latent_k
 from sparse_mla.kvcache import (
     MODEL1,
     V32,
-    KVCacheLayout,
     abs_indices_to_kvcache_indices,
     dequantize_k_cache,
     gather_dequant_tokens,

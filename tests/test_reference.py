@@ -316,3 +316,39 @@ def test_model1_value_dims_are_first_512_of_k():
     out, lse = sparse_decode_reference(p.q, p.k_cache, p.indices)
     k = dequantize_k_cache(p.k_cache, "MODEL1", torch.float32).view(-1, 512)[p.indices[0, 0, 0]]
     torch.testing.assert_close(out[0, 0], k.expand(2, 512), rtol=1e-6, atol=1e-6)  # one key: weight 1
+
+
+# ------------------------------------------------------------------ the tolerance checker itself
+
+
+def test_check_decode_close_accepts_and_rejects():
+    """helpers.check_decode_close (used by the kernel tests) enforces DESIGN §6."""
+    from helpers import check_decode_close
+
+    g = torch.Generator().manual_seed(15)
+    ref_out = torch.randn(2, 1, 4, 512, generator=g)
+    ref_lse = torch.randn(2, 4, 1, generator=g) * 5 + 10
+    ref_lse[1, 2, 0] = INF  # a lonely query
+    ref_out[1, 0, 2] = 0.0
+    # bf16 rounding of out and a tiny lse error pass
+    check_decode_close(ref_out.bfloat16(), ref_lse * (1 + 4 / 65536), ref_out, ref_lse)
+    bad = ref_out.clone()
+    bad[0, 0, 0, 0] += 0.05 + 0.02 * abs(bad[0, 0, 0, 0])  # beyond 1e-3 + 2.01/128 |ref|
+    with pytest.raises(AssertionError, match="out"):
+        check_decode_close(bad, ref_lse, ref_out, ref_lse)
+    with pytest.raises(AssertionError, match="lse"):
+        check_decode_close(ref_out, ref_lse * (1 + 16 / 65536), ref_out, ref_lse)
+    lse_fin = ref_lse.clone()
+    lse_fin[1, 2, 0] = 3.0  # +inf must stay +inf
+    with pytest.raises(AssertionError, match=r"lse: \+inf"):
+        check_decode_close(ref_out, lse_fin, ref_out, ref_lse)
+    nan_out = ref_out.clone()
+    nan_out[0, 0, 1, 7] = float("nan")
+    with pytest.raises(AssertionError, match="non-finite"):
+        check_decode_close(nan_out, ref_lse, ref_out, ref_lse)
+    # within elementwise tolerance everywhere but systematically off: the cosine check fires
+    drift = ref_out * (1 + 0.012 * torch.sign(torch.randn(ref_out.shape, generator=g)))
+    with pytest.raises(AssertionError, match="cosine"):
+        check_decode_close(drift, ref_lse, ref_out, ref_lse)
+    with pytest.raises(AssertionError, match="shape"):
+        check_decode_close(ref_out[:1], ref_lse, ref_out, ref_lse)

@@ -39,14 +39,17 @@ def _combine_kernel(
         cols = tl.arange(0, D_V)
         lbase = lacc_ptr + sq * stride_lsq + heads
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for j in range(n):
+        j = 0
+        while j < n:  # (while, not range: Triton 3.6's interpreter breaks range() on NumPy >= 2.4)
             lj = tl.load(lbase + (start + j).to(tl.int64) * stride_lr, mask=hmask, other=float("-inf"))
             m = tl.maximum(m, lj)
+            j += 1
         lonely = m == float("-inf")
         m_safe = tl.where(lonely, 0.0, m)
         tot = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D_V], tl.float32)
-        for j in range(n):
+        j = 0
+        while j < n:
             row = (start + j).to(tl.int64)
             lj = tl.load(lbase + row * stride_lr, mask=hmask, other=float("-inf"))
             w = tl.exp2(lj - m_safe)
@@ -54,6 +57,7 @@ def _combine_kernel(
             oj = tl.load(oacc_ptr + row * stride_ar + sq * stride_as + heads[:, None] * stride_ah + cols[None, :],
                          mask=hmask[:, None] & (w[:, None] > 0), other=0.0)
             acc += w[:, None] * oj
+            j += 1
         tot_safe = tl.where(lonely, 1.0, tot)
         lse2 = tl.log2(tot_safe) + m_safe
         denom = tot_safe

@@ -91,7 +91,8 @@ def _attend_blocks(
     BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Online softmax over blocks [blk_begin, blk_end) of one cache; returns updated (m, l, acc)."""
-    for blk_i in range(blk_begin, blk_end):
+    blk_i = blk_begin
+    while blk_i < blk_end:  # (while, not range: Triton 3.6's interpreter breaks range() on NumPy >= 2.4)
         k_main, k_tail, valid = _load_block_keys(
             kv_ptr, stride_blk, stride_tok, num_tokens, pbs,
             idx_ptr, stride_ib, stride_is, stride_it,
@@ -109,6 +110,7 @@ def _attend_blocks(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), k_main, input_precision=DOT_PREC)
         m_i = m_new
+        blk_i += 1
     return m_i, l_i, acc
 
 
@@ -151,7 +153,8 @@ def _sparse_decode_kernel(
     if HAS_SINK:
         sink_log2 = tl.load(sink_ptr + heads, mask=hmask, other=float("-inf")) * 1.4426950408889634
 
-    for req in range(begin_req, end_req + 1):
+    req = begin_req
+    while req <= end_req:
         blk0 = tl.where(req == begin_req, begin_block, 0)
         blk1 = tl.where(req == end_req, end_block, tl.load(nblk_ptr + req))
         split = tl.where(req == begin_req, begin_split, 0)
@@ -212,6 +215,7 @@ def _sparse_decode_kernel(
             aptr = oacc_ptr + row * stride_ar + sq * stride_as + heads[:, None] * stride_ah + cm[None, :]
             tl.store(aptr, o, mask=hmask[:, None])
             tl.store(lacc_ptr + row * stride_lr + sq * stride_lsq + heads, lse2, mask=hmask)
+        req += 1
 
 
 def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Tensor, torch.Tensor]:
