@@ -8,6 +8,7 @@ within DESIGN §6's tolerances.
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def check(p, num_sms=None):
 @pytest.mark.parametrize("h_q,s_q", [(16, 1), (64, 2), (128, 1), (20, 2)])
 @pytest.mark.parametrize("num_sms", [4, 132])
 def test_matches_reference(layout, h_q, s_q, num_sms):
-    seed = hash((layout, h_q, s_q, num_sms)) % 10_000
+    seed = zlib.crc32(f"{layout}-{h_q}-{s_q}-{num_sms}".encode()) % 10_000
     p = to_dev(make_problem(b=3, s_q=s_q, h_q=h_q, topk=150, layout=layout, num_blocks=5, seed=seed))
     _, _, meta = check(p, num_sms)
     ns = meta.num_splits.tolist()
