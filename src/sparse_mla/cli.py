@@ -222,10 +222,10 @@ def _section_token(console: "Console", seed: int) -> None:
     console.print(
         f"MODEL1 layout (d_qk {MODEL1.d_qk}): {MODEL1.bytes_per_token} B/token = {MODEL1.d_nope} e4m3 NoPE"
         f" ({MODEL1.num_tiles} tiles of {MODEL1.tile}) + {2 * MODEL1.d_rope} B bf16 RoPE"
-        f" + {MODEL1.num_tiles} float8_e8m0 scales + 1 pad byte; a page block keeps all {MODEL1.data_bytes}-byte"
+        f" + {MODEL1.num_tiles} float8_e8m0 scales + 1 pad byte.\nA MODEL1 page block keeps all {MODEL1.data_bytes}-byte"
         f" \\[nope | rope] records first, then the scale bytes, padded to a multiple of {MODEL1.data_bytes} B"
         f" ({SEED_PAGE_BLOCK} tokens: {SEED_PAGE_BLOCK * MODEL1.bytes_per_token} -> {MODEL1.block_bytes(SEED_PAGE_BLOCK)} B)."
-        f" This token's tile-0 scale there: e8m0 byte 0x{e8:02x} = 2^({e8} - 127) = 2^{e8 - 127}."
+        f"\nThis token (first 448 NoPE dims + RoPE) as MODEL1: tile-0 scale e8m0 byte 0x{e8:02x} = 2^({e8} - 127) = 2^{e8 - 127}."
     )
 
 
@@ -392,8 +392,8 @@ def _section_decode(console: "Console", args: argparse.Namespace, device: "torch
     console.print(t)
     if tuple(out.shape) == want_out and tuple(lse.shape) == want_lse:
         console.print(
-            f"[dim]for scale: the reference itself rounded to bf16 (round-to-nearest-even) is at cosine distance "
-            f"{floor_cd:.3e}; truncating instead would cost about 4x that.[/dim]"
+            f"[dim]for scale: rounding the exact result to bf16 (to nearest even) alone gives cosine distance "
+            f"{floor_cd:.3e}.[/dim]"
         )
         head = ", ".join(f"{v:.4f}" for v in out[0, 0, 0, :4].float().tolist())
         console.print(

@@ -53,11 +53,12 @@ def _load_block_keys(
     if IS_V32:
         tok = blk * stride_blk + off * stride_tok  # byte offset of each token record
         k8 = tl.load(kv_ptr + tok[:, None] + cols[None, :], mask=valid[:, None], other=0)
-        kf = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        kf = k8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
         sptr = (kv_ptr + tok + D_NOPE).to(tl.pointer_type(tl.float32))
         tiles = tl.arange(0, MAIN_TILES)
         sc = tl.load(sptr[:, None] + tiles[None, :], mask=valid[:, None], other=0.0)
-        kf = tl.reshape(tl.reshape(kf, [BLOCK_N, MAIN_TILES, TILE]) * sc[:, :, None], [BLOCK_N, D_MAIN])
+        # power-of-two scales: the product is exact in bf16
+        kf = tl.reshape(tl.reshape(kf, [BLOCK_N, MAIN_TILES, TILE]) * sc.to(DOT_DTYPE)[:, :, None], [BLOCK_N, D_MAIN])
         rptr = (kv_ptr + tok + D_NOPE + 4 * NUM_TILES).to(tl.pointer_type(tl.bfloat16))
         rc = tl.arange(0, D_TAIL)
         k_tail = tl.load(rptr[:, None] + rc[None, :], mask=valid[:, None], other=0.0)
@@ -66,16 +67,16 @@ def _load_block_keys(
         tok = base + off * (D_NOPE + 2 * D_TAIL)
         is_nope = cols < D_NOPE
         k8 = tl.load(kv_ptr + tok[:, None] + cols[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
-        kf = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        kf = k8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
         tiles = tl.arange(0, MAIN_TILES)
         eb = tl.load(kv_ptr + base[:, None] + pbs * (D_NOPE + 2 * D_TAIL) + off[:, None] * 8 + tiles[None, :],
                      mask=valid[:, None] & (tiles[None, :] < NUM_TILES), other=127)
-        sc = tl.exp2(eb.to(tl.float32) - 127.0)
+        sc = tl.exp2(eb.to(tl.float32) - 127.0).to(DOT_DTYPE)
         kf = tl.reshape(tl.reshape(kf, [BLOCK_N, MAIN_TILES, TILE]) * sc[:, :, None], [BLOCK_N, D_MAIN])
         rptr = (kv_ptr + tok + D_NOPE).to(tl.pointer_type(tl.bfloat16))
         rc = cols - D_NOPE
         rope = tl.load(rptr[:, None] + rc[None, :], mask=valid[:, None] & (cols[None, :] >= D_NOPE), other=0.0)
-        kf = tl.where(is_nope[None, :], kf, rope.to(tl.float32))
+        kf = tl.where(is_nope[None, :], kf, rope.to(DOT_DTYPE))
         k_tail = tl.zeros([BLOCK_N, D_TAIL], dtype=tl.bfloat16)
     return kf.to(DOT_DTYPE), k_tail.to(DOT_DTYPE), valid
 
@@ -88,11 +89,15 @@ def _attend_blocks(
     req, sq, blk_begin, blk_end, n_valid, scale_log2,
     IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
     TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, SCHED_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Online softmax over blocks [blk_begin, blk_end) of one cache; returns updated (m, l, acc)."""
-    blk_i = blk_begin
-    while blk_i < blk_end:  # (while, not range: Triton 3.6's interpreter breaks range() on NumPy >= 2.4)
+    """Online softmax over scheduler blocks [blk_begin, blk_end) of one cache, BLOCK_N tokens a step.
+
+    Returns the updated (m, l, acc).
+    """
+    blk_i = blk_begin * (SCHED_BLOCK // BLOCK_N)
+    sub_end = blk_end * (SCHED_BLOCK // BLOCK_N)
+    while blk_i < sub_end:  # (while, not range: Triton 3.6's interpreter breaks range() on NumPy >= 2.4)
         k_main, k_tail, valid = _load_block_keys(
             kv_ptr, stride_blk, stride_tok, num_tokens, pbs,
             idx_ptr, stride_ib, stride_is, stride_it,
@@ -132,7 +137,7 @@ def _sparse_decode_kernel(
     h_q, scale_log2,
     IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
     TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCHED_BLOCK: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -181,7 +186,7 @@ def _sparse_decode_kernel(
             kv_ptr, stride_kblk, stride_ktok, num_tokens, pbs,
             idx_ptr, stride_ib, stride_is, stride_it,
             req, sq, blk0, tl.minimum(blk1, n_main), n_valid, scale_log2,
-            IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC,
+            IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, SCHED_BLOCK, DOT_DTYPE, DOT_PREC,
         )
         if HAS_EXTRA:
             e_valid = e_topk
@@ -192,7 +197,7 @@ def _sparse_decode_kernel(
                 ekv_ptr, stride_eblk, stride_etok, e_num_tokens, e_pbs,
                 eidx_ptr, stride_eib, stride_eis, stride_eit,
                 req, sq, tl.maximum(blk0, n_main) - n_main, blk1 - n_main, e_valid, scale_log2,
-                IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC,
+                IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, SCHED_BLOCK, DOT_DTYPE, DOT_PREC,
             )
 
         lonely = l_i == 0.0
@@ -218,6 +223,22 @@ def _sparse_decode_kernel(
         req += 1
 
 
+_DEFAULT_TUNE = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
+
+
+def _tuning() -> dict:
+    """Launch parameters; ``SPARSE_MLA_TUNE="BLOCK_N=32,num_warps=8"`` overrides them (benchmarks)."""
+    tune = dict(_DEFAULT_TUNE)
+    for kv in filter(None, os.environ.get("SPARSE_MLA_TUNE", "").split(",")):
+        k, v = kv.split("=")
+        if k not in tune:
+            raise ValueError(f"SPARSE_MLA_TUNE: unknown key {k!r}; known: {sorted(tune)}")
+        tune[k] = int(v)
+    if TOPK_BLOCK_SIZE % tune["BLOCK_N"]:
+        raise ValueError(f"SPARSE_MLA_TUNE: BLOCK_N must divide {TOPK_BLOCK_SIZE}")
+    return tune
+
+
 def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split-KV kernel (and the combine kernel when a batch is split).
 
@@ -235,6 +256,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
     lay = p.layout
     dev = q.device
     block_h = heads_per_cta(h_q)
+    tune = _tuning()
     n_hb = triton.cdiv(h_q, block_h)
     interp = _interpreting()
     # Triton 3.6's interpreter truncates fp32 -> bf16 instead of rounding to nearest even: there
@@ -276,12 +298,12 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
         h_q, p.sm_scale * LOG2E,
         IS_V32=is_v32, D_MAIN=512, D_NOPE=lay.d_nope, D_TAIL=64,
         TILE=lay.tile, MAIN_TILES=512 // lay.tile, NUM_TILES=lay.num_tiles,
-        BLOCK_H=block_h, BLOCK_N=TOPK_BLOCK_SIZE,
+        BLOCK_H=block_h, BLOCK_N=tune["BLOCK_N"], SCHED_BLOCK=TOPK_BLOCK_SIZE,
         HAS_TOPK_LEN=p.topk_length is not None, HAS_EXTRA=has_extra,
         HAS_EXTRA_LEN=p.extra_topk_length is not None, HAS_SINK=p.attn_sink is not None,
         # the interpreter's bf16 dot is wrong (DESIGN §8): fp32 operands, exact (ieee) products there
         DOT_DTYPE=tl.float32 if interp else tl.bfloat16, DOT_PREC="ieee" if interp else None,
-        num_warps=8, num_stages=1,
+        num_warps=tune["num_warps"], num_stages=tune["num_stages"],
     )
     if any_split:
         combine_fwd(o_acc, l_acc, table.num_splits, out, lse, p.attn_sink)

@@ -1,0 +1,272 @@
+"""Fused quantise-and-store of new tokens' latent KV into the paged FP8 cache (serving path).
+
+Every decode (or prefill) step an inference engine appends the new tokens' latent vectors
+``kv [n, d_qk]`` (bf16) to the paged cache at ``slot_mapping [n]`` (``block * page_block_size +
+offset``; ``-1`` = skip, e.g. padding tokens). This kernel quantises and writes them in place,
+byte-identical to :func:`sparse_mla.kvcache.quantize_k_cache` on the same values
+(PyTorch twin: :func:`sparse_mla.reference.quantize_and_store_kv_reference`).
+
+One program handles ``BLOCK_T`` tokens. Per token and tile of ``TILE`` NoPE values (V32: 4 x 128,
+MODEL1: 7 x 64):
+
+* the UE8M0 scale ``2^k``, ``k = ceil(log2(max(amax / 448, 1e-4)))``, is computed exactly from the
+  float32 bits of ``amax``: with ``amax = 1.m * 2^e``, ``amax / 448 = (1.m / 1.75) * 2^(e - 8)``, so
+  ``k = e - 8 + (1.m > 1.75)`` (mantissa field > ``0x600000``), then ``k = max(k, -13)`` because
+  ``ceil(log2(1e-4)) = -13`` and ``ceil∘log2`` is monotone. No logarithm, no division (Triton's
+  default fp32 division is not correctly rounded on the GPU, which would move ``amax = 448·2^j``
+  across a power of two). The rounding of ``amax / 448`` in the reference never lands on a
+  power of two unless the quotient is one (an fp32 ``amax`` next to ``448·2^j`` is ``2^-23.8``
+  away in relative terms, more than half an ulp), so the two agree on every input.
+* values are multiplied by ``2^-k`` (exact), clamped to ±448 and rounded to e4m3 with
+  round-to-nearest-even by integer operations on the float32 bits (normal range: drop 20 mantissa
+  bits with the usual ``+0x7FFFF + lsb`` trick and rebias the exponent; subnormal range
+  ``|y| < 2^-6``: shift the 24-bit significand with an explicit round-half-even). This gives the
+  same bytes on every GPU (no dependence on a hardware e4m3 converter, which pre-Hopper GPUs lack)
+  and in the Triton interpreter. The sign is kept (``-0`` and tiny negatives give ``0x80`` as in
+  PyTorch).
+* the 64 RoPE values are copied bit for bit (as int16), never converted.
+
+Slots outside ``[0, num_blocks * page_block_size)`` are never written (masked stores); the
+launcher additionally rejects them before launch when ``slot_mapping`` lives on the CPU, where
+that costs no device synchronisation. Two tokens with the same slot race (one of them wins), as
+in other engines' cache writers: give distinct slots.
+
+Non-finite inputs (inf/NaN in ``kv``) are not supported: the bytes written for such a tile are
+unspecified.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kvcache import KVCacheLayout, LayoutLike, _check_quantized_cache, get_layout
+
+__all__ = ["quantize_and_store_kv", "check_store_args", "layout_of_cache"]
+
+
+@triton.jit
+def _e4m3_rtne_bits(y):
+    """float32 ``y`` with ``|y| <= 448`` -> int32 e4m3fn byte (0..255), round-to-nearest-even."""
+    u = y.to(tl.int32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    e = a >> 23
+    # normal e4m3 (|y| >= 2^-6, fp32 exponent field >= 121): keep 3 mantissa bits, rebias 127 -> 7
+    nrm = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal e4m3: |y| = sig * 2^(e - 150), byte = round_half_even(sig * 2^(e - 141))
+    sig = (a & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(141 - e, 31)
+    sh = tl.maximum(sh, 1)  # (only matters for lanes that take the normal branch)
+    qq = sig >> sh
+    rem = sig - (qq << sh)
+    half = 1 << (sh - 1)
+    up = (rem > half) | ((rem == half) & ((qq & 1) == 1))
+    sub = qq + up.to(tl.int32)
+    sub = tl.where(e == 0, 0, sub)  # fp32 zero / subnormal: far below e4m3's 2^-9
+    mag = tl.where(e >= 121, nrm, sub)
+    return sign | mag
+
+
+@triton.jit
+def _quantize_store_kernel(
+    kv_ptr, stride_kv,
+    slot_ptr, stride_slot,
+    cache_ptr, stride_blk, stride_tok, pbs, num_slots, n,
+    IS_V32: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DATA_BYTES: tl.constexpr,
+    TILE: tl.constexpr, NUM_TILES: tl.constexpr, TILES_P2: tl.constexpr, SCALE_REC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    toks = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_n = toks < n
+    slot = tl.load(slot_ptr + toks.to(tl.int64) * stride_slot, mask=in_n, other=-1).to(tl.int64)
+    valid = in_n & (slot >= 0) & (slot < num_slots)
+    safe = tl.where(valid, slot, 0)
+    blk = safe // pbs
+    off = safe - blk * pbs
+    base = blk * stride_blk
+    if IS_V32:
+        tok = base + off * stride_tok
+    else:
+        tok = base + off * DATA_BYTES
+
+    tiles = tl.arange(0, TILES_P2)
+    cols = tl.arange(0, TILE)
+    tmask = tiles < NUM_TILES
+    d = tiles[:, None] * TILE + cols[None, :]  # [TILES_P2, TILE] NoPE dim of each element
+    row = kv_ptr + toks.to(tl.int64) * stride_kv  # [BLOCK_T]
+    m3 = valid[:, None, None] & tmask[None, :, None]
+    x = tl.load(row[:, None, None] + d[None, :, :], mask=m3, other=0.0).to(tl.float32)
+
+    # exact UE8M0 exponent k = ceil(log2(max(amax / 448, 1e-4)))
+    amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_T, TILES_P2]
+    bits = amax.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    k = tl.maximum(k, -13)
+    inv_scale = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k, exact
+    y = x * inv_scale[:, :, None]
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    q8 = _e4m3_rtne_bits(y).to(tl.uint8)
+    tl.store(cache_ptr + tok[:, None, None] + d[None, :, :], q8, mask=m3)
+
+    if IS_V32:
+        scale = ((k + 127) << 23).to(tl.float32, bitcast=True)  # 2^k
+        sptr = (cache_ptr + tok + D_NOPE).to(tl.pointer_type(tl.float32))
+        tl.store(sptr[:, None] + tiles[None, :], scale, mask=valid[:, None] & tmask[None, :])
+        rope_dst = (cache_ptr + tok + D_NOPE + 4 * NUM_TILES).to(tl.pointer_type(tl.int16))
+    else:
+        # e8m0 exponent bytes (k + 127) and a zero pad byte, after all tokens' [nope | rope] records
+        e8 = tl.where(tmask[None, :], k + 127, 0).to(tl.uint8)
+        eptr = cache_ptr + base + pbs * DATA_BYTES + off * SCALE_REC
+        tl.store(eptr[:, None] + tiles[None, :], e8, mask=valid[:, None])
+        rope_dst = (cache_ptr + tok + D_NOPE).to(tl.pointer_type(tl.int16))
+    rc = tl.arange(0, D_ROPE)
+    rope_src = (row + D_NOPE).to(tl.pointer_type(tl.int16))
+    rope = tl.load(rope_src[:, None] + rc[None, :], mask=valid[:, None], other=0)
+    tl.store(rope_dst[:, None] + rc[None, :], rope, mask=valid[:, None])
+
+
+def layout_of_cache(k_cache: torch.Tensor) -> KVCacheLayout:
+    """The layout told by a cache's last dimension: 656 bytes/token -> V32, 584 -> MODEL1.
+
+    Raises:
+        TypeError: ``k_cache`` is not a tensor.
+        ValueError: its shape is not ``[num_blocks, page_block_size, 1, 656 | 584]``.
+    """
+    if not isinstance(k_cache, torch.Tensor):
+        raise TypeError(f"k_cache: expected a torch.Tensor, got {type(k_cache).__name__}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache: expected shape [num_blocks, page_block_size, 1, bytes_per_token], got {list(k_cache.shape)}")
+    bpt = int(k_cache.shape[-1])
+    for name in ("V32", "MODEL1"):
+        lay = get_layout(name)
+        if lay.bytes_per_token == bpt:
+            return lay
+    raise ValueError(f"k_cache: bytes_per_token (last dim) must be 656 (V32) or 584 (MODEL1), got {bpt}")
+
+
+def check_store_args(
+    kv: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, layout: Optional[LayoutLike] = None
+) -> KVCacheLayout:
+    """Validate the arguments of :func:`quantize_and_store_kv` (no device synchronisation).
+
+    Returns the cache layout. Raises ``TypeError``/``ValueError`` naming the bad argument; slot
+    values are range-checked only when ``slot_mapping`` is on the CPU.
+    """
+    lay = layout_of_cache(k_cache)
+    if layout is not None:
+        want = get_layout(layout)
+        if want != lay:
+            raise ValueError(
+                f"layout: {want.name} given, but k_cache has {k_cache.shape[-1]} bytes per token ({lay.name})"
+            )
+    _check_quantized_cache(k_cache, lay, "k_cache")
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype != torch.bfloat16:
+        raise TypeError(f"kv: expected dtype torch.bfloat16, got {kv.dtype}")
+    if kv.dim() != 2 or kv.shape[1] != lay.d_qk:
+        raise ValueError(
+            f"kv: expected shape [n, {lay.d_qk}] (d_qk of the {lay.name} cache), got {list(kv.shape)}"
+        )
+    if kv.numel() and kv.stride(1) != 1:
+        raise ValueError(f"kv: the last dimension must be contiguous (stride 1), got strides {list(kv.stride())}")
+    if not isinstance(slot_mapping, torch.Tensor):
+        raise TypeError(f"slot_mapping: expected a torch.Tensor, got {type(slot_mapping).__name__}")
+    if slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"slot_mapping: expected dtype torch.int64 (or torch.int32), got {slot_mapping.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != kv.shape[0]:
+        raise ValueError(f"slot_mapping: expected shape [n={kv.shape[0]}], got {list(slot_mapping.shape)}")
+    if kv.device != k_cache.device:
+        raise ValueError(f"kv: expected a tensor on {k_cache.device} (where k_cache is), got {kv.device}")
+    if slot_mapping.device != k_cache.device:
+        raise ValueError(f"slot_mapping: expected a tensor on {k_cache.device} (where k_cache is), got {slot_mapping.device}")
+    # the kernel stores float32 scales (V32) and int16 RoPE halves through typed pointers
+    align = 4 if lay.name == "V32" else 2
+    raw = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
+    if k_cache.numel() and (raw.data_ptr() % align or raw.stride(0) % align or (raw.shape[1] > 1 and raw.stride(1) % align)):
+        raise ValueError(
+            f"k_cache: the {lay.name} layout needs its start and block/token strides aligned to {align} bytes, "
+            f"got offset {raw.data_ptr() % 16} mod 16 and strides {list(raw.stride())}"
+        )
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
+        n_slots = int(k_cache.shape[0]) * int(k_cache.shape[1])
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= n_slots:
+            bad = lo if lo < -1 else hi
+            raise ValueError(
+                f"slot_mapping: values must be -1 (skip) or in [0, {n_slots}) (num_blocks * page_block_size), got {bad}"
+            )
+    return lay
+
+
+def _use_triton(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def quantize_and_store_kv(
+    kv: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    layout: Optional[LayoutLike] = None,
+    *,
+    block_t: Optional[int] = None,
+) -> None:
+    """Quantise new tokens' latent KV and write them in place into a paged FP8 cache.
+
+    The bytes written for a token are exactly those :func:`sparse_mla.kvcache.quantize_k_cache`
+    gives for the same bf16 values; bytes of other slots (and MODEL1 block padding) are untouched.
+    Runs the Triton kernel on CUDA and under ``TRITON_INTERPRET=1``, else the PyTorch twin
+    :func:`sparse_mla.reference.quantize_and_store_kv_reference`. No host synchronisation on CUDA
+    (CUDA-graph safe).
+
+    Args:
+        kv: ``[n, d_qk]`` bfloat16 latent ``[nope | rope]`` vectors of the new tokens; ``d_qk`` is
+            576 for a V32 cache and 512 for a MODEL1 cache; last dim contiguous, row stride free.
+        slot_mapping: ``[n]`` int64 (int32 accepted), destination slot of each token,
+            ``block * page_block_size + offset``; ``-1`` skips the token. Slots outside
+            ``[0, num_blocks * page_block_size)`` raise ``ValueError`` when ``slot_mapping`` is on
+            the CPU; on the GPU (where checking would need a sync) they are silently skipped.
+            Slots should be distinct (duplicates race).
+        k_cache: ``[num_blocks, page_block_size, 1, bytes_per_token]`` ``float8_e4m3fn`` or
+            ``uint8``, 656 B/token (V32) or 584 (MODEL1, blocks padded to 576 B multiples); may be
+            a strided view of a larger pool (its strides are honoured). Written in place.
+        layout: optional ``"V32"``/``"MODEL1"``; when given it must agree with ``k_cache``.
+        block_t: tokens per Triton program (a power of two; default: 1 for small ``n``, else 4).
+
+    Raises:
+        TypeError: wrong dtypes (``kv`` not bf16, ``slot_mapping`` not int64/int32, cache not
+            fp8/uint8) or non-tensors.
+        ValueError: shapes, ``d_qk`` not matching the cache layout, devices differ, misaligned
+            cache, out-of-range slots (CPU ``slot_mapping`` only), bad ``block_t``.
+    """
+    lay = check_store_args(kv, slot_mapping, k_cache, layout)
+    n = kv.shape[0]
+    if block_t is None:
+        block_t = 1 if n < 1024 else 4
+    if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t < 1 or block_t & (block_t - 1):
+        raise ValueError(f"block_t: expected a power of two >= 1, got {block_t!r}")
+    if n == 0 or k_cache.numel() == 0:
+        return
+    if not _use_triton(k_cache.device):
+        from ..reference import quantize_and_store_kv_reference
+
+        quantize_and_store_kv_reference(kv, slot_mapping, k_cache)
+        return
+    raw = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
+    nb, pbs = raw.shape[0], raw.shape[1]
+    grid = (triton.cdiv(n, block_t),)
+    _quantize_store_kernel[grid](
+        kv, kv.stride(0),
+        slot_mapping, slot_mapping.stride(0),
+        raw, raw.stride(0), raw.stride(1), pbs, nb * pbs, n,
+        IS_V32=lay.name == "V32", D_NOPE=lay.d_nope, D_ROPE=lay.d_rope, DATA_BYTES=lay.data_bytes,
+        TILE=lay.tile, NUM_TILES=lay.num_tiles, TILES_P2=triton.next_power_of_2(lay.num_tiles),
+        SCALE_REC=lay.scale_section_bytes,
+        BLOCK_T=block_t,
+        num_warps=4,
+    )
