@@ -38,7 +38,7 @@ def paged_context(b, max_ctx, page_block_size, layout, seed, min_ctx=None):
     d_qk = 576 if layout == "V32" else 512
     gd = torch.Generator(device=DEV).manual_seed(seed)
     k = torch.randn(total, page_block_size, 1, d_qk, device=DEV, generator=gd)
-    mag = 10.0 ** (torch.rand(total, page_block_size, 1, d_qk // 64, device=DEV, generator=gd) * 3 - 2)
+    mag = 10.0 ** (torch.rand(total, page_block_size, 1, d_qk // 64, device=DEV, generator=gd) * 2 - 2)  # see helpers.random_latent_k
     k = (k * mag.repeat_interleave(64, dim=-1)).to(torch.bfloat16)
     return quantize_k_cache(k, layout), table.to(DEV), ctx
 
