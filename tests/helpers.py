@@ -214,3 +214,16 @@ def make_problem(
         vals = [attn_sink[i % len(attn_sink)] for i in range(h_q)]
         p.attn_sink = torch.tensor(vals, dtype=torch.float32)
     return p
+
+
+def cache_to(k_cache: torch.Tensor, device) -> torch.Tensor:
+    """Move an FP8 cache to ``device`` keeping its strides.
+
+    ``Tensor.to`` makes a dense copy, which drops the padding between MODEL1 blocks (their
+    block stride exceeds ``page_block_size * 584``); copy the whole storage instead.
+    """
+    raw = k_cache.view(torch.uint8) if k_cache.dtype != torch.uint8 else k_cache
+    n = raw.untyped_storage().nbytes()
+    flat = torch.empty(0, dtype=torch.uint8).set_(raw.untyped_storage(), 0, (n,), (1,))
+    moved = flat.to(device).as_strided(raw.shape, raw.stride(), raw.storage_offset())
+    return moved.view(k_cache.dtype) if k_cache.dtype != torch.uint8 else moved
