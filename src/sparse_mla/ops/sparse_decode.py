@@ -25,6 +25,7 @@ from ..interface import DecodeProblem, heads_per_cta
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable
 
 LOG2E = 1.4426950408889634
+LAZY_RESCALE_DEFAULT = tl.constexpr(os.environ.get("SPARSE_MLA_LAZY_RESCALE", "0") == "1")
 LN2 = 0.6931471805599453
 
 
@@ -34,10 +35,10 @@ def _interpreting() -> bool:
 
 @triton.jit
 def _load_block_keys(
-    kv_ptr, stride_blk, stride_tok, num_tokens, pbs,
+    kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2,
     idx_ptr, stride_ib, stride_is, stride_it,
     req, sq, pos0, n_valid,
-    IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
+    ADDR: tl.constexpr, IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
     TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
@@ -47,8 +48,17 @@ def _load_block_keys(
     idx = tl.load(idx_ptr + req * stride_ib + sq * stride_is + offs_n * stride_it, mask=in_list, other=-1)
     valid = in_list & (idx >= 0) & (idx < num_tokens)
     safe = tl.where(valid, idx, 0).to(tl.int64)
-    blk = safe // pbs
-    off = safe - blk * pbs
+    # ADDR 0: V32 cache whose blocks are contiguous (token address = idx * stride_tok);
+    # 1: power-of-two page_block_size (shift and mask); 2: general (integer division)
+    if ADDR == 0:
+        blk = safe * 0
+        off = safe
+    elif ADDR == 1:
+        blk = safe >> pbs_log2
+        off = safe & (pbs - 1)
+    else:
+        blk = safe // pbs
+        off = safe - blk * pbs
     cols = tl.arange(0, D_MAIN)
     if IS_V32:
         tok = blk * stride_blk + off * stride_tok  # byte offset of each token record
@@ -82,50 +92,92 @@ def _load_block_keys(
 
 
 @triton.jit
+def _block_step(
+    q_main, q_tail, m_i, l_i, acc,
+    kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2,
+    idx_ptr, stride_ib, stride_is, stride_it,
+    req, sq, blk_i, n_valid, scale_log2,
+    ADDR: tl.constexpr, IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
+    TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    RESCALE_TAU: tl.constexpr = 8.0,
+):
+    """One BLOCK_N-token step of the online softmax; returns the updated (m, l, acc)."""
+    k_main, k_tail, valid = _load_block_keys(
+        kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2,
+        idx_ptr, stride_ib, stride_is, stride_it,
+        req, sq, blk_i * BLOCK_N, n_valid,
+        ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE,
+    )
+    s = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PREC)
+    if IS_V32:
+        s += tl.dot(q_tail, tl.trans(k_tail), input_precision=DOT_PREC)
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    # Lazy rescaling: a row's running max moves only when the block's max exceeds it by more than
+    # RESCALE_TAU (log2 units), so P stays <= 2^RESCALE_TAU and most steps skip the O(H x 512)
+    # rescale of acc. (-inf - -inf is NaN, and NaN > tau is False: rows with nothing valid stay.)
+    m_blk = tl.max(s, axis=1)
+    grow = (m_blk - m_i) > RESCALE_TAU
+    m_new = tl.where(grow, m_blk, m_i)
+    alpha = tl.where(grow, tl.exp2(m_i - m_new), 1.0)
+    if LAZY_RESCALE_DEFAULT:
+        if tl.max(grow.to(tl.int32), axis=0) > 0:
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
+    l_i = l_i * alpha
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i += tl.sum(p, axis=1)
+    acc = tl.dot(p.to(DOT_DTYPE), k_main, acc=acc, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_blocks(
     q_main, q_tail, m_i, l_i, acc,
-    kv_ptr, stride_blk, stride_tok, num_tokens, pbs,
+    kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2,
     idx_ptr, stride_ib, stride_is, stride_it,
     req, sq, blk_begin, blk_end, n_valid, scale_log2,
-    IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
+    ADDR: tl.constexpr, IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
     TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, SCHED_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Online softmax over scheduler blocks [blk_begin, blk_end) of one cache, BLOCK_N tokens a step.
 
-    Returns the updated (m, l, acc).
+    Compiled, a ``tl.range`` loop lets Triton's pipeliner prefetch the next steps' gathers
+    (``NUM_STAGES``); under the interpreter a while loop runs instead (Triton 3.6's interpreter
+    cannot take loaded values as range() bounds with NumPy >= 2.4). Returns the updated (m, l, acc).
     """
-    blk_i = blk_begin * (SCHED_BLOCK // BLOCK_N)
+    sub_begin = blk_begin * (SCHED_BLOCK // BLOCK_N)
     sub_end = blk_end * (SCHED_BLOCK // BLOCK_N)
-    while blk_i < sub_end:  # (while, not range: Triton 3.6's interpreter breaks range() on NumPy >= 2.4)
-        k_main, k_tail, valid = _load_block_keys(
-            kv_ptr, stride_blk, stride_tok, num_tokens, pbs,
-            idx_ptr, stride_ib, stride_is, stride_it,
-            req, sq, blk_i * BLOCK_N, n_valid,
-            IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE,
-        )
-        s = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PREC)
-        if IS_V32:
-            s += tl.dot(q_tail, tl.trans(k_tail), input_precision=DOT_PREC)
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), k_main, input_precision=DOT_PREC)
-        m_i = m_new
-        blk_i += 1
+    if FOR_LOOP:
+        for blk_i in tl.range(sub_begin, sub_end, num_stages=NUM_STAGES):
+            m_i, l_i, acc = _block_step(
+                q_main, q_tail, m_i, l_i, acc, kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2,
+                idx_ptr, stride_ib, stride_is, stride_it, req, sq, blk_i, n_valid, scale_log2,
+                ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC,
+            )
+    else:
+        blk_i = sub_begin
+        while blk_i < sub_end:
+            m_i, l_i, acc = _block_step(
+                q_main, q_tail, m_i, l_i, acc, kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2,
+                idx_ptr, stride_ib, stride_is, stride_it, req, sq, blk_i, n_valid, scale_log2,
+                ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC,
+            )
+            blk_i += 1
     return m_i, l_i, acc
 
 
 @triton.jit
 def _sparse_decode_kernel(
     q_ptr, stride_qb, stride_qs, stride_qh,
-    kv_ptr, stride_kblk, stride_ktok, num_tokens, pbs,
+    kv_ptr, stride_kblk, stride_ktok, num_tokens, pbs, pbs_log2,
     idx_ptr, stride_ib, stride_is, stride_it, topk,
     tl_ptr,
-    ekv_ptr, stride_eblk, stride_etok, e_num_tokens, e_pbs,
+    ekv_ptr, stride_eblk, stride_etok, e_num_tokens, e_pbs, e_pbs_log2,
     eidx_ptr, stride_eib, stride_eis, stride_eit, e_topk,
     etl_ptr,
     sink_ptr,
@@ -135,11 +187,12 @@ def _sparse_decode_kernel(
     oacc_ptr, stride_ar, stride_as, stride_ah,
     lacc_ptr, stride_lr, stride_lsq,
     h_q, scale_log2,
+    ADDR: tl.constexpr, E_ADDR: tl.constexpr,
     IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
     TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCHED_BLOCK: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     part = tl.program_id(0)
     sq = tl.program_id(1)
@@ -183,10 +236,11 @@ def _sparse_decode_kernel(
             n_valid = tl.minimum(tl.load(tl_ptr + req), topk)
         m_i, l_i, acc = _attend_blocks(
             q_main, q_tail, m_i, l_i, acc,
-            kv_ptr, stride_kblk, stride_ktok, num_tokens, pbs,
+            kv_ptr, stride_kblk, stride_ktok, num_tokens, pbs, pbs_log2,
             idx_ptr, stride_ib, stride_is, stride_it,
             req, sq, blk0, tl.minimum(blk1, n_main), n_valid, scale_log2,
-            IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, SCHED_BLOCK, DOT_DTYPE, DOT_PREC,
+            ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, SCHED_BLOCK, DOT_DTYPE, DOT_PREC,
+            FOR_LOOP, NUM_STAGES,
         )
         if HAS_EXTRA:
             e_valid = e_topk
@@ -194,10 +248,11 @@ def _sparse_decode_kernel(
                 e_valid = tl.minimum(tl.load(etl_ptr + req), e_topk)
             m_i, l_i, acc = _attend_blocks(
                 q_main, q_tail, m_i, l_i, acc,
-                ekv_ptr, stride_eblk, stride_etok, e_num_tokens, e_pbs,
+                ekv_ptr, stride_eblk, stride_etok, e_num_tokens, e_pbs, e_pbs_log2,
                 eidx_ptr, stride_eib, stride_eis, stride_eit,
                 req, sq, tl.maximum(blk0, n_main) - n_main, blk1 - n_main, e_valid, scale_log2,
-                IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, SCHED_BLOCK, DOT_DTYPE, DOT_PREC,
+                E_ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, SCHED_BLOCK, DOT_DTYPE, DOT_PREC,
+                FOR_LOOP, NUM_STAGES,
             )
 
         lonely = l_i == 0.0
@@ -223,7 +278,7 @@ def _sparse_decode_kernel(
         req += 1
 
 
-_DEFAULT_TUNE = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
+_DEFAULT_TUNE = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 
 def _tuning() -> dict:
@@ -274,7 +329,14 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
 
     def cache_args(kc):
         raw = kc if kc.dtype == torch.uint8 else kc.view(torch.uint8)
-        return raw, raw.stride(0), raw.stride(1), raw.shape[0] * raw.shape[1], raw.shape[1]
+        pbs = raw.shape[1]
+        pow2 = pbs & (pbs - 1) == 0
+        return raw, raw.stride(0), raw.stride(1), raw.shape[0] * pbs, pbs, pbs.bit_length() - 1 if pow2 else 0
+
+    def addr_mode(kc):
+        if lay.name == "V32" and (kc.shape[0] == 1 or kc.stride(0) == kc.shape[1] * kc.stride(1)):
+            return 0
+        return 1 if kc.shape[1] & (kc.shape[1] - 1) == 0 else 2
 
     kv = cache_args(p.k_cache)
     has_extra = p.extra_k_cache is not None
@@ -296,6 +358,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
         o_acc, o_acc.stride(0), o_acc.stride(1), o_acc.stride(2),
         l_acc, l_acc.stride(0), l_acc.stride(1),
         h_q, p.sm_scale * LOG2E,
+        ADDR=addr_mode(p.k_cache), E_ADDR=addr_mode(p.extra_k_cache) if has_extra else 0,
         IS_V32=is_v32, D_MAIN=512, D_NOPE=lay.d_nope, D_TAIL=64,
         TILE=lay.tile, MAIN_TILES=512 // lay.tile, NUM_TILES=lay.num_tiles,
         BLOCK_H=block_h, BLOCK_N=tune["BLOCK_N"], SCHED_BLOCK=TOPK_BLOCK_SIZE,
@@ -303,7 +366,8 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
         HAS_EXTRA_LEN=p.extra_topk_length is not None, HAS_SINK=p.attn_sink is not None,
         # the interpreter's bf16 dot is wrong (DESIGN §8): fp32 operands, exact (ieee) products there
         DOT_DTYPE=tl.float32 if interp else tl.bfloat16, DOT_PREC="ieee" if interp else None,
-        num_warps=tune["num_warps"], num_stages=tune["num_stages"],
+        FOR_LOOP=not interp, NUM_STAGES=tune["num_stages"],
+        num_warps=tune["num_warps"],
     )
     if any_split:
         combine_fwd(o_acc, l_acc, table.num_splits, out, lse, p.attn_sink)
