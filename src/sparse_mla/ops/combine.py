@@ -11,6 +11,7 @@ a single piece were finished by the decode kernel and are left alone.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -25,39 +26,57 @@ def _combine_kernel(
     nsplit_ptr, sink_ptr,
     out_ptr, stride_ob, stride_os, stride_oh,
     lse_ptr, stride_lb, stride_lh, stride_ls,
-    h_q,
-    D_V: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SINK: tl.constexpr,
+    h_q, s_q,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_SINK: tl.constexpr, FOR_LOOP: tl.constexpr,
 ):
+    """One program: one (batch, query token), BLOCK_H heads, BLOCK_D output columns."""
     req = tl.program_id(0)
-    sq = tl.program_id(1)
-    hb = tl.program_id(2)
+    sq = tl.program_id(1) % s_q
+    hb = tl.program_id(1) // s_q
+    db = tl.program_id(2)
     start = tl.load(nsplit_ptr + req)
     n = tl.load(nsplit_ptr + req + 1) - start
     if n > 1:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < h_q
-        cols = tl.arange(0, D_V)
+        cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
         lbase = lacc_ptr + sq * stride_lsq + heads
+        # max and sum of the split LSEs, BLOCK_S splits a step (independent loads)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        j = 0
-        while j < n:  # (while, not range: Triton 3.6's interpreter breaks range() on NumPy >= 2.4)
-            lj = tl.load(lbase + (start + j).to(tl.int64) * stride_lr, mask=hmask, other=float("-inf"))
-            m = tl.maximum(m, lj)
-            j += 1
+        j0 = 0
+        while j0 < n:
+            js = j0 + tl.arange(0, BLOCK_S)
+            lt = tl.load(lbase[None, :] + (start + js).to(tl.int64)[:, None] * stride_lr,
+                         mask=(js < n)[:, None] & hmask[None, :], other=float("-inf"))
+            m = tl.maximum(m, tl.max(lt, axis=0))
+            j0 += BLOCK_S
         lonely = m == float("-inf")
         m_safe = tl.where(lonely, 0.0, m)
         tot = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, D_V], tl.float32)
-        j = 0
-        while j < n:
-            row = (start + j).to(tl.int64)
-            lj = tl.load(lbase + row * stride_lr, mask=hmask, other=float("-inf"))
-            w = tl.exp2(lj - m_safe)
-            tot += w
-            oj = tl.load(oacc_ptr + row * stride_ar + sq * stride_as + heads[:, None] * stride_ah + cols[None, :],
-                         mask=hmask[:, None] & (w[:, None] > 0), other=0.0)
-            acc += w[:, None] * oj
-            j += 1
+        j0 = 0
+        while j0 < n:
+            js = j0 + tl.arange(0, BLOCK_S)
+            lt = tl.load(lbase[None, :] + (start + js).to(tl.int64)[:, None] * stride_lr,
+                         mask=(js < n)[:, None] & hmask[None, :], other=float("-inf"))
+            tot += tl.sum(tl.exp2(lt - m_safe[None, :]), axis=0)
+            j0 += BLOCK_S
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        obase = oacc_ptr + sq * stride_as + heads[:, None] * stride_ah + cols[None, :]
+        if FOR_LOOP:  # compiled: let the pipeliner prefetch the next splits' partial outputs
+            for j in tl.range(0, n, num_stages=3):
+                row = (start + j).to(tl.int64)
+                w = tl.exp2(tl.load(lbase + row * stride_lr, mask=hmask, other=float("-inf")) - m_safe)
+                oj = tl.load(obase + row * stride_ar, mask=hmask[:, None] & (w[:, None] > 0), other=0.0)
+                acc += w[:, None] * oj
+        else:  # interpreter (its range() cannot take loaded bounds with NumPy >= 2.4)
+            j = 0
+            while j < n:
+                row = (start + j).to(tl.int64)
+                w = tl.exp2(tl.load(lbase + row * stride_lr, mask=hmask, other=float("-inf")) - m_safe)
+                oj = tl.load(obase + row * stride_ar, mask=hmask[:, None] & (w[:, None] > 0), other=0.0)
+                acc += w[:, None] * oj
+                j += 1
         tot_safe = tl.where(lonely, 1.0, tot)
         lse2 = tl.log2(tot_safe) + m_safe
         denom = tot_safe
@@ -67,8 +86,9 @@ def _combine_kernel(
         o = tl.where(lonely[:, None], 0.0, acc / denom[:, None])
         tl.store(out_ptr + req * stride_ob + sq * stride_os + heads[:, None] * stride_oh + cols[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-        lse = tl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
-        tl.store(lse_ptr + req * stride_lb + heads * stride_lh + sq * stride_ls, lse, mask=hmask)
+        if db == 0:
+            lse = tl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
+            tl.store(lse_ptr + req * stride_lb + heads * stride_lh + sq * stride_ls, lse, mask=hmask)
 
 
 def combine_fwd(
@@ -90,14 +110,17 @@ def combine_fwd(
         attn_sink: ``[h_q]`` fp32 or None.
     """
     b, s_q, h_q, d_v = out.shape
-    block_h = 16
-    grid = (b, s_q, triton.cdiv(h_q, block_h))
+    block_h, block_d = 16, 128
+    if d_v % block_d:
+        raise ValueError(f"out: d_v must be a multiple of {block_d}, got {d_v}")
+    grid = (b, s_q * triton.cdiv(h_q, block_h), d_v // block_d)
     _combine_kernel[grid](
         o_accum, o_accum.stride(0), o_accum.stride(1), o_accum.stride(2),
         lse_accum, lse_accum.stride(0), lse_accum.stride(1),
         num_splits, attn_sink if attn_sink is not None else lse_accum,
         out, out.stride(0), out.stride(1), out.stride(2),
         lse, lse.stride(0), lse.stride(1), lse.stride(2),
-        h_q, D_V=d_v, BLOCK_H=block_h, HAS_SINK=attn_sink is not None,
+        h_q, s_q, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=32, HAS_SINK=attn_sink is not None,
+        FOR_LOOP=os.environ.get("TRITON_INTERPRET", "0") != "1",
         num_warps=4,
     )
