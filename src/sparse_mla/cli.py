@@ -477,9 +477,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return rc
 
 
+def cmd_serve_sim(args: argparse.Namespace) -> int:
+    """Decode-loop simulation (``sparse_mla.serve_sim``); 0 = ran and its final check passed."""
+    from .serve_sim import cli_main  # sets TRITON_INTERPRET on the CPU before any kernel import
+
+    return cli_main(args)
+
+
 #: subcommand name -> (help, handler); bench / check / serve-sim are planned
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "demo": ("walk the seed's worked example end to end (config, FP8 token, scheduler, decode, combine)", cmd_demo),
+    "serve-sim": (
+        "decode-loop simulation: paged FP8 cache write, index conversion, sparse decode in a CUDA graph",
+        cmd_serve_sim,
+    ),
 }
 
 
@@ -504,6 +515,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): CUDA when torch.cuda.is_available(), else the CPU (Triton interpreter)",
     )
     demo.set_defaults(func=COMMANDS["demo"][1])
+    from .serve_sim import add_arguments as _serve_sim_arguments
+
+    sim = sub.add_parser("serve-sim", help=COMMANDS["serve-sim"][0], description=COMMANDS["serve-sim"][0])
+    _serve_sim_arguments(sim)
+    sim.set_defaults(func=COMMANDS["serve-sim"][1])
     return p
 
 

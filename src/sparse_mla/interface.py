@@ -144,8 +144,14 @@ def validate_sparse_decode(
     extra_indices_in_kvcache: Any = None,
     topk_length: Any = None,
     extra_topk_length: Any = None,
+    strict_padding: bool = True,
 ) -> DecodeProblem:
-    """Check every argument of the sparse decode path; raise ``TypeError``/``ValueError`` naming it."""
+    """Check every argument of the sparse decode path; raise ``TypeError``/``ValueError`` naming it.
+
+    ``strict_padding=False`` also accepts MODEL1 caches whose block stride is not padded to a
+    multiple of 576 B (see :func:`sparse_mla.kvcache._check_quantized_cache`; the torch.library op
+    uses it because functionalization may hand it a dense copy of the cache view).
+    """
     _check_tensor(q, "q", (torch.bfloat16,), 4)
     b, s_q, h_q, d_qk = q.shape
     dev = q.device
@@ -178,7 +184,7 @@ def validate_sparse_decode(
             raise ValueError(f"{name}: expected a tensor on {dev} (where q is), got {kc.device}")
         if kc.dim() == 4 and kc.shape[2] != 1:
             raise ValueError(f"{name}: h_kv (dim 2) must be 1 for MLA, got {kc.shape[2]}")
-        _check_quantized_cache(kc, lay, name)
+        _check_quantized_cache(kc, lay, name, strict_padding)
         if kc.shape[0] < 1 or kc.shape[1] < 1:
             raise ValueError(f"{name}: needs at least one block of at least one token, got {list(kc.shape)}")
 

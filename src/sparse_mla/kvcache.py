@@ -234,7 +234,9 @@ def gather_dequant_tokens(
     if lay.name == "V32":
         block_span = (pbs - 1) * raw.stride(1) + lay.bytes_per_token if pbs > 0 else 0
     else:
-        block_span = lay.block_bytes(pbs)
+        # the last byte a MODEL1 block's tokens use is its last scale byte (pbs * 584); the padding
+        # after it is never read, and a copy of the cache (clone_preserve_strides) may lack it
+        block_span = pbs * lay.bytes_per_token
     span = (nb - 1) * sb + block_span if nb > 0 else 0
     flat = raw.as_strided((span,), (1,))
     idx = token_idx.reshape(-1).long()
@@ -261,7 +263,13 @@ def gather_dequant_tokens(
     return out.view(*token_idx.shape, lay.d_qk)
 
 
-def _check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_cache") -> None:
+def _check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_cache", strict_padding: bool = True) -> None:
+    """Dtype, shape and stride checks of an FP8 cache tensor (raise ``TypeError``/``ValueError`` naming it).
+
+    ``strict_padding=False`` accepts MODEL1 block strides below the padded block size, down to the
+    ``page_block_size * 584`` bytes the tokens use (the kernels follow ``stride(0)``): a dense copy
+    of a MODEL1 view, as functionalization (``torch.compile``) makes, has such a stride.
+    """
     if not isinstance(kq, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(kq).__name__}")
     if kq.dtype not in (torch.float8_e4m3fn, torch.uint8):
@@ -283,10 +291,13 @@ def _check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_
             raise ValueError(
                 f"{name}: MODEL1 blocks must be packed (token stride {lay.bytes_per_token}), got {kq.stride(1)}"
             )
-        need = lay.block_bytes(pbs)
+        need = lay.block_bytes(pbs) if strict_padding else pbs * lay.bytes_per_token
     if kq.shape[0] > 1 and kq.stride(0) < need:
         raise ValueError(f"{name}: block stride {kq.stride(0)} bytes < the {need} bytes one {lay.name} block needs")
-    # the last block must lie inside the storage
+    # the bytes the last block's tokens use must lie inside the storage (for MODEL1 they end with
+    # the last token's scale record: the padding after it is never accessed)
+    if lay.name != "V32":
+        need = pbs * lay.bytes_per_token
     if kq.shape[0] > 0:
         end = kq.storage_offset() + (kq.shape[0] - 1) * kq.stride(0) + need
         if end > kq.untyped_storage().nbytes():
@@ -311,6 +322,24 @@ def dequantize_k_cache(kq: torch.Tensor, layout: LayoutLike = "V32", dtype: torc
     return gather_dequant_tokens(kq, lay, idx).to(dtype).view(nb, pbs, 1, lay.d_qk)
 
 
+def _check_abs_index_args(abs_indices: torch.Tensor, block_table: torch.Tensor, page_block_size: int) -> None:
+    """Argument checks shared by :func:`abs_indices_to_kvcache_indices` and its Triton twin."""
+    if not isinstance(abs_indices, torch.Tensor) or abs_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError("abs_indices: expected an int32 tensor [b, s_q, topk]")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
+        raise TypeError("block_table: expected an int32 tensor [b, max_blocks_per_seq]")
+    if isinstance(page_block_size, bool) or not isinstance(page_block_size, int) or page_block_size <= 0:
+        raise ValueError(f"page_block_size: expected a positive int, got {page_block_size!r}")
+    if abs_indices.dim() != 3:
+        raise ValueError(f"abs_indices: expected shape [b, s_q, topk], got {list(abs_indices.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != abs_indices.shape[0]:
+        raise ValueError(
+            f"block_table: expected shape [b={abs_indices.shape[0]}, max_blocks_per_seq], got {list(block_table.shape)}"
+        )
+    if block_table.device != abs_indices.device:
+        raise ValueError("block_table: must be on the same device as abs_indices")
+
+
 def abs_indices_to_kvcache_indices(
     abs_indices: torch.Tensor, block_table: torch.Tensor, page_block_size: int
 ) -> torch.Tensor:
@@ -330,20 +359,7 @@ def abs_indices_to_kvcache_indices(
     Raises:
         TypeError / ValueError: wrong dtypes, shapes or ``page_block_size``.
     """
-    if not isinstance(abs_indices, torch.Tensor) or abs_indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError("abs_indices: expected an int32 tensor [b, s_q, topk]")
-    if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
-        raise TypeError("block_table: expected an int32 tensor [b, max_blocks_per_seq]")
-    if isinstance(page_block_size, bool) or not isinstance(page_block_size, int) or page_block_size <= 0:
-        raise ValueError(f"page_block_size: expected a positive int, got {page_block_size!r}")
-    if abs_indices.dim() != 3:
-        raise ValueError(f"abs_indices: expected shape [b, s_q, topk], got {list(abs_indices.shape)}")
-    if block_table.dim() != 2 or block_table.shape[0] != abs_indices.shape[0]:
-        raise ValueError(
-            f"block_table: expected shape [b={abs_indices.shape[0]}, max_blocks_per_seq], got {list(block_table.shape)}"
-        )
-    if block_table.device != abs_indices.device:
-        raise ValueError("block_table: must be on the same device as abs_indices")
+    _check_abs_index_args(abs_indices, block_table, page_block_size)
     t = abs_indices.long()
     lb = torch.div(t, page_block_size, rounding_mode="floor")
     nlog = block_table.shape[1]

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .kvcache import gather_dequant_tokens, get_layout, num_cache_tokens
+from .kvcache import cache_bytes, gather_dequant_tokens, get_layout, num_cache_tokens, quantize_k_cache
 from .scheduler import TOPK_BLOCK_SIZE, ScheduleTable
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "combine_reference",
     "combine_weights",
     "LOG2E",
+    "quantize_and_store_kv_reference",
 ]
 
 LOG2E = math.log2(math.e)
@@ -234,3 +235,47 @@ def sparse_decode_split_reference(
                 l_acc[ns[req] + split] = lse2
     combine_reference(o_acc, l_acc, sched.num_splits, out, lse, attn_sink)
     return out, lse
+
+
+def quantize_and_store_kv_reference(kv: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """PyTorch twin of :func:`sparse_mla.ops.store_kv.quantize_and_store_kv`: write ``kv`` in place.
+
+    Each token is quantised with :func:`sparse_mla.kvcache.quantize_k_cache` and its bytes are
+    scattered into ``k_cache`` (through its strides): V32 the 656-byte record at
+    ``block * stride(0) + offset * stride(1)``; MODEL1 the 576-byte ``[nope | rope]`` record at
+    ``block * stride(0) + offset * 576`` and the 8 scale bytes at
+    ``block * stride(0) + page_block_size * 576 + offset * 8``. Tokens whose slot is outside
+    ``[0, num_blocks * page_block_size)`` (``-1`` included) are skipped.
+
+    Args:
+        kv: ``[n, d_qk]`` bf16 (d_qk 576 for a 656-byte cache, 512 for a 584-byte one).
+        slot_mapping: ``[n]`` int64/int32 slots.
+        k_cache: ``[num_blocks, page_block_size, 1, bytes_per_token]`` fp8/uint8, written in place.
+    """
+    lay = get_layout(576 if k_cache.shape[-1] == 656 else 512)
+    raw = cache_bytes(k_cache)
+    nb, pbs = raw.shape[0], raw.shape[1]
+    slots = slot_mapping.long().to(raw.device)
+    ok = (slots >= 0) & (slots < nb * pbs)
+    if not bool(ok.any()):
+        return
+    slots = slots[ok]
+    toks = kv[ok.to(kv.device)]
+    q = quantize_k_cache(toks.view(-1, 1, 1, lay.d_qk), lay, out_dtype=torch.uint8)  # one token per block
+    rec = cache_bytes(q).as_strided((q.shape[0], lay.block_bytes(1)), (q.stride(0), 1))
+    blk, off = slots // pbs, slots % pbs
+    if lay.name == "V32":
+        span = (nb - 1) * raw.stride(0) + (pbs - 1) * raw.stride(1) + lay.bytes_per_token
+        dst = (blk * raw.stride(0) + off * raw.stride(1)).unsqueeze(1) + torch.arange(lay.bytes_per_token, device=raw.device)
+        src = rec[:, : lay.bytes_per_token]
+    else:
+        span = (nb - 1) * raw.stride(0) + pbs * lay.bytes_per_token
+        base = blk * raw.stride(0)
+        ar_d = torch.arange(lay.data_bytes, device=raw.device)
+        ar_s = torch.arange(lay.scale_section_bytes, device=raw.device)
+        dst = torch.cat(
+            [(base + off * lay.data_bytes).unsqueeze(1) + ar_d,
+             (base + pbs * lay.data_bytes + off * lay.scale_section_bytes).unsqueeze(1) + ar_s], dim=1)
+        src = rec[:, : lay.data_bytes + lay.scale_section_bytes]
+    flat = raw.as_strided((span,), (1,))
+    flat[dst.reshape(-1)] = src.reshape(-1).to(raw.device)

@@ -150,12 +150,19 @@ def layout_of_cache(k_cache: torch.Tensor) -> KVCacheLayout:
 
 
 def check_store_args(
-    kv: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, layout: Optional[LayoutLike] = None
+    kv: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    layout: Optional[LayoutLike] = None,
+    strict_padding: bool = True,
 ) -> KVCacheLayout:
     """Validate the arguments of :func:`quantize_and_store_kv` (no device synchronisation).
 
     Returns the cache layout. Raises ``TypeError``/``ValueError`` naming the bad argument; slot
-    values are range-checked only when ``slot_mapping`` is on the CPU.
+    values are range-checked only when ``slot_mapping`` is on the CPU. ``strict_padding=False``
+    accepts MODEL1 caches whose block stride is not padded to a multiple of 576 B (the kernel only
+    needs ``page_block_size * 584`` bytes per block): the torch.library op gets such a dense copy
+    of a MODEL1 view when functionalization (``torch.compile`` / AOT autograd) clones it.
     """
     lay = layout_of_cache(k_cache)
     if layout is not None:
@@ -164,7 +171,7 @@ def check_store_args(
             raise ValueError(
                 f"layout: {want.name} given, but k_cache has {k_cache.shape[-1]} bytes per token ({lay.name})"
             )
-    _check_quantized_cache(k_cache, lay, "k_cache")
+    _check_quantized_cache(k_cache, lay, "k_cache", strict_padding)
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
     if kv.dtype != torch.bfloat16:
@@ -215,6 +222,7 @@ def quantize_and_store_kv(
     layout: Optional[LayoutLike] = None,
     *,
     block_t: Optional[int] = None,
+    strict_padding: bool = True,
 ) -> None:
     """Quantise new tokens' latent KV and write them in place into a paged FP8 cache.
 
@@ -237,6 +245,8 @@ def quantize_and_store_kv(
             a strided view of a larger pool (its strides are honoured). Written in place.
         layout: optional ``"V32"``/``"MODEL1"``; when given it must agree with ``k_cache``.
         block_t: tokens per Triton program (a power of two; default: 1 for small ``n``, else 4).
+        strict_padding: when False, also accept MODEL1 caches whose block stride is not padded to
+            a multiple of 576 B (see :func:`check_store_args`).
 
     Raises:
         TypeError: wrong dtypes (``kv`` not bf16, ``slot_mapping`` not int64/int32, cache not
@@ -244,7 +254,7 @@ def quantize_and_store_kv(
         ValueError: shapes, ``d_qk`` not matching the cache layout, devices differ, misaligned
             cache, out-of-range slots (CPU ``slot_mapping`` only), bad ``block_t``.
     """
-    lay = check_store_args(kv, slot_mapping, k_cache, layout)
+    lay = check_store_args(kv, slot_mapping, k_cache, layout, strict_padding)
     n = kv.shape[0]
     if block_t is None:
         block_t = 1 if n < 1024 else 4
@@ -257,8 +267,14 @@ def quantize_and_store_kv(
 
         quantize_and_store_kv_reference(kv, slot_mapping, k_cache)
         return
+    _launch(kv, slot_mapping, k_cache, lay, block_t)
+
+
+def _launch(kv: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, lay: KVCacheLayout, block_t: int) -> None:
+    """Launch the kernel on validated arguments (no slot-range check: the kernel masks bad slots)."""
     raw = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
     nb, pbs = raw.shape[0], raw.shape[1]
+    n = kv.shape[0]
     grid = (triton.cdiv(n, block_t),)
     _quantize_store_kernel[grid](
         kv, kv.stride(0),

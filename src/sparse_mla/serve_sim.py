@@ -1,0 +1,574 @@
+"""Decode-loop simulation of an inference engine's serving path (``sparse-mla serve-sim``).
+
+``B`` requests with different context lengths share one paged FP8 cache (blocks handed out from a
+shuffled free list as contexts grow). Every step does what an engine does per decode step:
+
+1. the new token of every request gets a latent vector ``kv [B, d_qk]`` (random bf16 here, each
+   64-value tile with its own magnitude in 10^-2..10^0) and a query ``q [B, 1, h_q, d_qk]``;
+2. its cache slot is the cache index of position ``ctx[i]`` (the index-conversion kernel on the
+   block table), and :func:`~sparse_mla.ops.store_kv.quantize_and_store_kv` writes it; ``ctx += 1``;
+3. the "indexer" picks ``topk`` distinct positions of each request's valid context ``[0, ctx)``:
+   ``pos_j = (a * j + c) mod ctx`` for ``j < min(topk, ctx)`` with a random prime ``a > max_context``
+   (coprime to every length, so the positions are distinct) and a random offset ``c``; slots
+   ``j >= ctx`` get ``-1``. This costs a few elementwise kernels, unlike a real top-k over indexer
+   scores, so the step time is the attention path's. The index-conversion kernel turns them into
+   cache indices;
+4. :func:`sparse_mla.flash_mla_with_kvcache` runs the sparse decode (s_q = 1).
+
+On CUDA, steps 1-4 are captured once in a ``torch.cuda.CUDAGraph`` after one eager warm-up step
+(which compiles the kernels and fills the scheduler metadata) and replayed every step; all
+per-step state (context lengths, random numbers) lives on the device, so a replay needs no host
+input. The host only writes a new block-table entry before a step whose token starts a new page
+block. **No ``topk_length`` is passed**: FlashMLA's scheduler reads ``topk_length`` values once,
+on the first call, so growing contexts would need a new metadata object (and a re-capture) each
+step; instead, positions past a short context are ``-1`` (invalid), which the decode ignores.
+The scheduler therefore plans ``ceil(topk / 64)`` blocks for every request, the same as once
+every context is ``>= topk`` (the normal case at DeepSeek-V3.2 sizes).
+
+Per-step latency is measured around each replay (CUDA events, or wall-clock on the CPU, with a
+device synchronisation per step), and tokens/s = ``B / latency``. At the end the last step is
+checked: its decode output against :func:`sparse_mla.reference.sparse_decode_reference` on the same
+cache (DESIGN §6 tolerances) and the appended tokens' cache bytes against
+:func:`sparse_mla.kvcache.quantize_k_cache`.
+
+The Triton kernels are imported lazily, so the CLI can set ``TRITON_INTERPRET=1`` first on a
+machine without a GPU (tiny defaults then run in seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .interface import get_mla_metadata
+from .kvcache import get_layout, quantize_k_cache
+
+__all__ = ["ServeSimConfig", "ServeSim", "default_config", "add_arguments", "cli_main", "CPU_DEFAULTS", "GPU_DEFAULTS"]
+
+#: tiny sizes for the CPU (Triton interpreter): seconds
+CPU_DEFAULTS = dict(batch=2, topk=64, max_context=256, steps=4, h_q=16, page_block_size=64)
+#: DeepSeek-V3.2 decode sizes for a GPU
+GPU_DEFAULTS = dict(batch=64, topk=2048, max_context=32768, steps=200, h_q=128, page_block_size=64)
+
+# DESIGN §6 tolerances of the final check
+_OUT_ABS, _OUT_REL, _COS = 1e-3, 2.01 / 128, 5e-6
+_LSE_ABS, _LSE_REL = 1e-6, 8 / 65536
+
+
+@dataclass
+class ServeSimConfig:
+    """Sizes of a simulation.
+
+    Attributes:
+        batch: requests ``B`` (>= 1), one new token each per step.
+        topk: indices per query token (>= 1).
+        max_context: longest context (tokens) any request reaches; request 0 ends exactly there.
+        min_context: shortest initial context (default ``max(1, max_context // 8)``).
+        steps: timed decode steps (>= 1); one more untimed warm-up step runs first.
+        page_block_size: tokens per page block (>= 1).
+        h_q: query heads (1..128).
+        layout: ``"V32"`` (d_qk 576) or ``"MODEL1"`` (d_qk 512).
+        cache_dtype: ``"fp8"`` (float8_e4m3fn) or ``"uint8"`` cache tensor.
+        use_graph: capture the step in a CUDA graph (CUDA only; ignored on the CPU).
+        seed: random seed (contexts, block placement, token values, indices).
+        num_sms: SMs to schedule for (None: the device's).
+        check: verify the last step against the references.
+    """
+
+    batch: int = CPU_DEFAULTS["batch"]
+    topk: int = CPU_DEFAULTS["topk"]
+    max_context: int = CPU_DEFAULTS["max_context"]
+    min_context: Optional[int] = None
+    steps: int = CPU_DEFAULTS["steps"]
+    page_block_size: int = CPU_DEFAULTS["page_block_size"]
+    h_q: int = CPU_DEFAULTS["h_q"]
+    layout: str = "V32"
+    cache_dtype: str = "fp8"
+    use_graph: bool = True
+    seed: int = 0
+    num_sms: Optional[int] = None
+    check: bool = True
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+        for name in ("batch", "topk", "max_context", "steps", "page_block_size", "h_q", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and name != "seed") or v < 0:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if self.h_q > 128:
+            raise ValueError(f"h_q: must be <= 128, got {self.h_q}")
+        get_layout(self.layout)
+        if self.cache_dtype not in ("fp8", "uint8"):
+            raise ValueError(f"cache_dtype: expected 'fp8' or 'uint8', got {self.cache_dtype!r}")
+        mc = self.resolved_min_context()
+        if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
+            raise ValueError(f"min_context: expected a positive int, got {self.min_context!r}")
+        if mc + self.steps + 1 > self.max_context:
+            raise ValueError(
+                f"max_context: {self.max_context} leaves no room for min_context {mc} plus {self.steps} steps "
+                "and one warm-up step; raise max_context or lower min_context/steps"
+            )
+        if self.num_sms is not None and (isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or self.num_sms < 1):
+            raise ValueError(f"num_sms: expected a positive int or None, got {self.num_sms!r}")
+
+    def resolved_min_context(self) -> int:
+        return max(1, self.max_context // 8) if self.min_context is None else self.min_context
+
+
+def default_config(device: torch.device, **overrides: Any) -> ServeSimConfig:
+    """Tiny sizes on the CPU, DeepSeek-V3.2 sizes on CUDA; ``None`` overrides are ignored."""
+    base = dict(GPU_DEFAULTS if torch.device(device).type == "cuda" else CPU_DEFAULTS)
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return ServeSimConfig(**base)
+
+
+def _primes_above(lo: int, count: int) -> list[int]:
+    out, n = [], max(lo + 1, 3)
+    while len(out) < count:
+        if n % 2 and all(n % d for d in range(3, int(math.isqrt(n)) + 1, 2)):
+            out.append(n)
+        n += 1
+    return out
+
+
+@dataclass
+class StepTimes:
+    """Per-step latencies (seconds) and derived statistics."""
+
+    latencies: list[float] = field(default_factory=list)
+
+    def percentile(self, p: float) -> float:
+        xs = sorted(self.latencies)
+        if not xs:
+            return float("nan")
+        k = (len(xs) - 1) * p / 100.0
+        lo, hi = math.floor(k), math.ceil(k)
+        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+class ServeSim:
+    """State and step of the simulated decode loop (see the module docstring).
+
+    Args:
+        cfg: the sizes (validated here).
+        device: ``"cpu"`` (Triton interpreter when ``TRITON_INTERPRET=1``, else the PyTorch
+            references) or ``"cuda"``.
+
+    Attributes (device tensors, valid after :meth:`prefill`):
+        k_cache: ``[num_blocks, page_block_size, 1, bytes_per_token]`` the paged FP8 cache
+            (unallocated slots hold 0xFF bytes = NaN, which must never reach an output).
+        block_table: ``[B, max_blocks_per_seq]`` int32 (``-1`` = not allocated).
+        ctx: ``[B]`` int32 current context lengths (device copy; ``ctx_host`` mirrors it).
+        kv_buf, slot_buf, q_buf, pos_buf, idx_buf: the last step's new tokens ``[B, d_qk]`` bf16,
+            their slots ``[B]`` int32, queries ``[B, 1, h_q, d_qk]`` bf16, logical top-k positions
+            and cache indices ``[B, 1, topk]`` int32.
+        out, lse: the last step's decode output ``[B, 1, h_q, 512]`` bf16 and ``[B, h_q, 1]`` fp32.
+
+    Raises:
+        ValueError: bad config or device.
+    """
+
+    def __init__(self, cfg: ServeSimConfig, device: "str | torch.device" = "cpu") -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: cuda requested but torch.cuda.is_available() is False")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected cpu or cuda, got {self.device}")
+        self.lay = get_layout(cfg.layout)
+        self.B, self.pbs, self.topk = cfg.batch, cfg.page_block_size, cfg.topk
+        self.use_graph = cfg.use_graph and self.device.type == "cuda"
+        g = torch.Generator().manual_seed(cfg.seed)
+        self._host_gen = g
+        # device RNG: the default CUDA generator (CUDA-graph safe), a private one on the CPU
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(cfg.seed)
+            self._gen: Optional[torch.Generator] = None
+        else:
+            self._gen = torch.Generator().manual_seed(cfg.seed + 1)
+        total = cfg.steps + 1  # + the warm-up step
+        lo, hi = cfg.resolved_min_context(), cfg.max_context - total
+        ctx0 = torch.randint(lo, hi + 1, (self.B,), generator=g)
+        ctx0[0] = hi  # request 0 reaches max_context exactly
+        self.ctx_host = ctx0.tolist()
+        self.max_blocks = -(-cfg.max_context // self.pbs)
+        self.num_blocks = self.B * self.max_blocks
+        self.free_blocks = torch.randperm(self.num_blocks, generator=g).tolist()
+        self.table_host = torch.full((self.B, self.max_blocks), -1, dtype=torch.int32)
+        self.primes = _primes_above(max(cfg.max_context, cfg.topk), 64)
+        self.meta, _ = get_mla_metadata(num_sms=cfg.num_sms)
+        self.graph: Optional[Any] = None
+        self.steps_done = 0
+        self._allocated = False
+
+    # ---------------------------------------------------------------- setup
+
+    def _alloc_cache(self) -> torch.Tensor:
+        lay, nb, pbs = self.lay, self.num_blocks, self.pbs
+        bb = lay.block_bytes(pbs)
+        buf = torch.full((nb, bb), 0xFF, dtype=torch.uint8, device=self.device)
+        if lay.name == "V32":
+            kc = buf.view(nb, pbs, 1, lay.bytes_per_token)
+        else:
+            kc = buf.as_strided((nb, pbs, 1, lay.bytes_per_token), (bb, lay.bytes_per_token, lay.bytes_per_token, 1))
+        return kc.view(torch.float8_e4m3fn) if self.cfg.cache_dtype == "fp8" else kc
+
+    def _random_kv(self, n: int) -> torch.Tensor:
+        """``[n, d_qk]`` bf16: normal values, each 64-value tile scaled by 10^U(-2, 0)."""
+        d = self.lay.d_qk
+        x = torch.randn(n, d, device=self.device, generator=self._gen)
+        mag = torch.rand(n, d // 64, device=self.device, generator=self._gen) * 2 - 2
+        return (x * torch.pow(10.0, mag).repeat_interleave(64, dim=1)).to(torch.bfloat16)
+
+    def _grow_tables(self) -> list[tuple[int, int, int]]:
+        """Allocate a block for every request whose next token starts a new page block (host only).
+
+        Returns the new ``(request, logical_block, physical_block)`` entries.
+        """
+        new = []
+        for i, c in enumerate(self.ctx_host):
+            lb = c // self.pbs
+            if self.table_host[i, lb] < 0:
+                blk = self.free_blocks.pop()
+                self.table_host[i, lb] = blk
+                new.append((i, lb, blk))
+        return new
+
+    def _apply_table_updates(self, new: list[tuple[int, int, int]]) -> None:
+        if not new:
+            return
+        upd = torch.tensor(new, dtype=torch.int64).to(self.device)  # one small host-to-device copy
+        self.block_table.index_put_((upd[:, 0], upd[:, 1]), upd[:, 2].to(torch.int32))
+
+    def prefill(self, chunk_tokens: int = 65536) -> None:
+        """Allocate the cache and write every request's initial context (random tokens)."""
+        from .ops.store_kv import quantize_and_store_kv
+
+        dev, pbs = self.device, self.pbs
+        self.k_cache = self._alloc_cache()
+        # blocks for the initial contexts
+        for i, c in enumerate(self.ctx_host):
+            for lb in range(-(-c // pbs)):
+                self.table_host[i, lb] = self.free_blocks.pop()
+        self.block_table = self.table_host.to(dev)
+        self.ctx = torch.tensor(self.ctx_host, dtype=torch.int32, device=dev)
+        # slots of all initial tokens, request by request
+        slots = []
+        for i, c in enumerate(self.ctx_host):
+            t = torch.arange(c)
+            slots.append(self.table_host[i, t // pbs].long() * pbs + t % pbs)
+        all_slots = torch.cat(slots).to(dev)
+        block_t = None if dev.type == "cuda" else 64
+        for s in range(0, all_slots.numel(), chunk_tokens):
+            sl = all_slots[s : s + chunk_tokens]
+            quantize_and_store_kv(self._random_kv(sl.numel()), sl, self.k_cache, block_t=block_t)
+        B, d, topk = self.B, self.lay.d_qk, self.topk
+        self.kv_buf = torch.empty(B, d, dtype=torch.bfloat16, device=dev)
+        self.slot_buf = torch.empty(B, 1, 1, dtype=torch.int32, device=dev)
+        self.q_buf = torch.empty(B, 1, self.cfg.h_q, d, dtype=torch.bfloat16, device=dev)
+        self.pos_buf = torch.empty(B, 1, topk, dtype=torch.int32, device=dev)
+        self.idx_buf = torch.empty(B, 1, topk, dtype=torch.int32, device=dev)
+        self.primes_t = torch.tensor(self.primes, dtype=torch.int64, device=dev)
+        self.j_t = torch.arange(topk, dtype=torch.int64, device=dev)
+        self._allocated = True
+
+    # ---------------------------------------------------------------- the step
+
+    def _step_body(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 1-4 of the module docstring on device tensors only (capturable)."""
+        import sparse_mla
+
+        from .ops.index_convert import abs_indices_to_kvcache_indices_triton
+        from .ops.store_kv import quantize_and_store_kv
+
+        B, dev, gen = self.B, self.device, self._gen
+        # 1. new tokens and queries
+        self.kv_buf.copy_(self._random_kv(B))
+        self.q_buf.copy_(torch.randn(self.q_buf.shape, device=dev, generator=gen).to(torch.bfloat16))
+        # 2. append: slot of position ctx[i], written by the fused quantise-and-store kernel
+        abs_indices_to_kvcache_indices_triton(self.ctx.view(B, 1, 1), self.block_table, self.pbs, out=self.slot_buf)
+        quantize_and_store_kv(self.kv_buf, self.slot_buf.view(B), self.k_cache)
+        self.ctx.add_(1)
+        # 3. top-k positions over [0, ctx): an affine permutation with a random prime multiplier
+        pick = torch.randint(0, len(self.primes), (B,), device=dev, generator=gen)
+        a = self.primes_t[pick]
+        c = torch.randint(0, 1 << 30, (B,), device=dev, generator=gen)
+        n = self.ctx.long().unsqueeze(1)
+        pos = (a.unsqueeze(1) * self.j_t + c.unsqueeze(1)) % n
+        pos = torch.where(self.j_t.unsqueeze(0) < n, pos, torch.full_like(pos, -1))
+        self.pos_buf.copy_(pos.view(B, 1, self.topk))
+        abs_indices_to_kvcache_indices_triton(self.pos_buf, self.block_table, self.pbs, out=self.idx_buf)
+        # 4. sparse decode
+        return sparse_mla.flash_mla_with_kvcache(
+            self.q_buf, self.k_cache, None, None, 512, self.meta, is_fp8_kvcache=True, indices=self.idx_buf,
+        )
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one decode step (eager, or a graph replay once :meth:`capture` ran); returns ``(out, lse)``.
+
+        Raises:
+            RuntimeError: :meth:`prefill` was not called, or a context would exceed ``max_context``.
+        """
+        self._apply_table_updates(self._host_part())
+        self._device_part()
+        return self.out, self.lse
+
+    def _host_part(self) -> list[tuple[int, int, int]]:
+        if not self._allocated:
+            raise RuntimeError("ServeSim.step: call prefill() first")
+        if max(self.ctx_host) >= self.cfg.max_context:
+            raise RuntimeError(f"ServeSim.step: a context would exceed max_context={self.cfg.max_context}")
+        return self._grow_tables()
+
+    def _device_part(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.out, self.lse = self._step_body()
+        self.ctx_host = [c + 1 for c in self.ctx_host]
+        self.steps_done += 1
+
+    def capture(self) -> None:
+        """Capture the step in a CUDA graph (CUDA only; call after one eager :meth:`step`)."""
+        if self.device.type != "cuda":
+            raise RuntimeError("ServeSim.capture: CUDA graphs need a CUDA device")
+        if not self.meta.have_initialized:
+            raise RuntimeError("ServeSim.capture: run one eager step first (fills the scheduler metadata)")
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self.out, self.lse = self._step_body()
+        torch.cuda.synchronize()
+        self.graph = g
+
+    # ---------------------------------------------------------------- the loop
+
+    def run(self, progress: bool = True, console: Any = None) -> dict:
+        """Prefill, one warm-up step (+ capture), ``cfg.steps`` timed steps, then the check.
+
+        Returns:
+            A dict of the config and results: ``tokens_per_s``, ``p50_ms``/``p90_ms``/``p99_ms``/
+            ``mean_ms`` per-step latency, ``graph`` (whether replayed from a CUDA graph),
+            ``final_context_min``/``max``, ``check`` (dict, when enabled) and ``device_name``.
+        """
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        cuda = self.device.type == "cuda"
+        t0 = time.perf_counter()
+        self.prefill()
+        if cuda:
+            torch.cuda.synchronize()
+        prefill_s = time.perf_counter() - t0
+        self.step()  # warm-up: compiles the kernels, fills the scheduler metadata
+        if self.use_graph:
+            self.capture()
+        times = StepTimes()
+        cols = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[lat]}"), TimeRemainingColumn()]
+        with Progress(*cols, console=console, disable=not progress, transient=False) as bar:
+            task = bar.add_task("decode steps", total=self.cfg.steps, lat="")
+            for _ in range(self.cfg.steps):
+                if cuda:
+                    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    new = self._host_part()  # block allocation on the host, before the timed region
+                    ev0.record()
+                    self._apply_table_updates(new)
+                    self._device_part()
+                    ev1.record()
+                    ev1.synchronize()
+                    dt = ev0.elapsed_time(ev1) * 1e-3
+                else:
+                    s = time.perf_counter()
+                    self.step()
+                    dt = time.perf_counter() - s
+                times.latencies.append(dt)
+                bar.update(task, advance=1, lat=f"{dt * 1e3:.3f} ms")
+        lat_mean = sum(times.latencies) / len(times.latencies)
+        res = dict(asdict(self.cfg))
+        res.update(
+            min_context=self.cfg.resolved_min_context(),
+            device=str(self.device),
+            device_name=torch.cuda.get_device_name(self.device) if cuda else "CPU",
+            interpreter=os.environ.get("TRITON_INTERPRET", "0") == "1" and not cuda,
+            graph=self.graph is not None,
+            prefill_tokens=int(sum(self.ctx_host) - self.B * (self.cfg.steps + 1)),
+            prefill_s=prefill_s,
+            tokens_per_s=self.B / lat_mean,
+            mean_ms=lat_mean * 1e3,
+            p50_ms=times.percentile(50) * 1e3,
+            p90_ms=times.percentile(90) * 1e3,
+            p99_ms=times.percentile(99) * 1e3,
+            final_context_min=min(self.ctx_host),
+            final_context_max=max(self.ctx_host),
+            latencies_ms=[x * 1e3 for x in times.latencies],
+        )
+        if self.cfg.check:
+            res["check"] = self.check_last_step()
+        return res
+
+    # ---------------------------------------------------------------- checks
+
+    def check_last_step(self) -> dict:
+        """Compare the last step with the references.
+
+        Returns a dict: ``decode_ok`` (out/lse within DESIGN §6 of
+        :func:`~sparse_mla.reference.sparse_decode_reference` on the same cache and indices),
+        ``out_max_abs_err``, ``out_cos_dist``, ``lse_max_abs_err``, ``store_ok`` (the last appended
+        tokens' bytes equal :func:`~sparse_mla.kvcache.quantize_k_cache` of their values),
+        ``indices_ok`` (each request's valid indices are distinct, in its own blocks, and their
+        count is ``min(topk, ctx)``), ``ok`` (all three).
+        """
+        from .reference import sparse_decode_reference
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        ro, rl = sparse_decode_reference(self.q_buf, self.k_cache, self.idx_buf, None, 512)
+        o, r = self.out.double(), ro.double()
+        d = (o - r).abs()
+        out_ok = bool(torch.isfinite(o).all()) and bool((d <= _OUT_ABS + _OUT_REL * r.abs()).all())
+        den = (o * o + r * r).sum().item()
+        cos = 1 - 2 * (o * r).sum().item() / den if den > 0 else 0.0
+        l, lr = self.lse.double(), rl.double()
+        same = l == lr  # +inf entries (no valid key) compare equal
+        dl = torch.where(same, torch.zeros_like(l), (l - lr).abs())
+        lse_ok = bool((dl <= _LSE_ABS + _LSE_REL * lr.abs().nan_to_num(posinf=0)).all())
+        store_ok = bool(torch.equal(self._slot_bytes(self.slot_buf.view(-1)), self._expected_bytes(self.kv_buf)))
+        idx_ok = self._indices_ok()
+        return dict(
+            decode_ok=out_ok and lse_ok and cos <= _COS,
+            out_max_abs_err=d.max().item(),
+            out_cos_dist=cos,
+            lse_max_abs_err=dl.max().item(),
+            store_ok=store_ok,
+            indices_ok=idx_ok,
+            ok=out_ok and lse_ok and cos <= _COS and store_ok and idx_ok,
+        )
+
+    def _slot_bytes(self, slots: torch.Tensor) -> torch.Tensor:
+        """The stored bytes of ``slots`` as ``[n, 576 + scale bytes]`` uint8 (data record, then scales)."""
+        lay = self.lay
+        raw = self.k_cache.view(torch.uint8)
+        span = raw.untyped_storage().nbytes() - raw.storage_offset()
+        flat = raw.as_strided((span,), (1,))
+        s = slots.long()
+        blk, off = s // self.pbs, s % self.pbs
+        base = blk * raw.stride(0)
+        if lay.name == "V32":
+            at = (base + off * raw.stride(1)).unsqueeze(1) + torch.arange(lay.bytes_per_token, device=s.device)
+        else:
+            d = (base + off * lay.data_bytes).unsqueeze(1) + torch.arange(lay.data_bytes, device=s.device)
+            sc = (base + self.pbs * lay.data_bytes + off * lay.scale_section_bytes).unsqueeze(1) + torch.arange(
+                lay.scale_section_bytes, device=s.device)
+            at = torch.cat([d, sc], dim=1)
+        return flat[at]
+
+    def _expected_bytes(self, kv: torch.Tensor) -> torch.Tensor:
+        lay = self.lay
+        q = quantize_k_cache(kv.view(-1, 1, 1, lay.d_qk), lay, out_dtype=torch.uint8)
+        rows = q.as_strided((q.shape[0], lay.block_bytes(1)), (q.stride(0), 1))
+        return rows[:, : lay.bytes_per_token] if lay.name == "V32" else rows[:, : lay.data_bytes + lay.scale_section_bytes]
+
+    def _indices_ok(self) -> bool:
+        idx = self.idx_buf.view(self.B, self.topk).cpu()
+        table = self.block_table.cpu()
+        for i, c in enumerate(self.ctx_host):
+            row = idx[i]
+            valid = row[row >= 0]
+            if valid.numel() != min(self.topk, c) or torch.unique(valid).numel() != valid.numel():
+                return False
+            mine = set(table[i][table[i] >= 0].tolist())
+            if not set((valid // self.pbs).tolist()) <= mine:
+                return False
+        return True
+
+
+# -------------------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``serve-sim`` options (defaults resolved per device: tiny on CPU, DeepSeek-V3.2 on CUDA)."""
+    cpu, gpu = CPU_DEFAULTS, GPU_DEFAULTS
+    p.add_argument("--batch", "-b", type=int, default=None, help=f"requests B (default CPU {cpu['batch']}, CUDA {gpu['batch']})")
+    p.add_argument("--topk", type=int, default=None, help=f"indices per query (default CPU {cpu['topk']}, CUDA {gpu['topk']})")
+    p.add_argument("--max-context", type=int, default=None,
+                   help=f"longest context reached (default CPU {cpu['max_context']}, CUDA {gpu['max_context']})")
+    p.add_argument("--min-context", type=int, default=None, help="shortest initial context (default max_context // 8)")
+    p.add_argument("--steps", type=int, default=None, help=f"timed decode steps (default CPU {cpu['steps']}, CUDA {gpu['steps']})")
+    p.add_argument("--page-block-size", type=int, default=None, help="tokens per page block (default 64)")
+    p.add_argument("--h-q", type=int, default=None, help=f"query heads (default CPU {cpu['h_q']}, CUDA {gpu['h_q']})")
+    p.add_argument("--layout", choices=("V32", "MODEL1"), default="V32", help="cache layout (default V32, d_qk 576)")
+    p.add_argument("--cache-dtype", choices=("fp8", "uint8"), default="fp8", help="cache tensor dtype (default fp8)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto (default): CUDA when available, else the CPU (Triton interpreter)")
+    p.add_argument("--no-graph", action="store_true", help="run the steps eagerly instead of replaying a CUDA graph")
+    p.add_argument("--no-check", action="store_true", help="skip the final check against the references")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--num-sms", type=int, default=None, help="schedule for this many SMs (default: the device's)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results (and every step's latency) as JSON")
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    """Run ``sparse-mla serve-sim``; exit status 0 = ran and the check passed, 1 = check failed."""
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("sparse-mla serve-sim: error: --device cuda, but torch.cuda.is_available() is False")
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg = default_config(
+        device, batch=args.batch, topk=args.topk, max_context=args.max_context, min_context=args.min_context,
+        steps=args.steps, page_block_size=args.page_block_size, h_q=args.h_q, layout=args.layout,
+        cache_dtype=args.cache_dtype, use_graph=not args.no_graph, seed=args.seed, num_sms=args.num_sms,
+        check=not args.no_check,
+    )
+    try:
+        sim = ServeSim(cfg, device)
+    except ValueError as e:
+        raise SystemExit(f"sparse-mla serve-sim: error: {e}")
+    console = Console(highlight=False)
+    if not console.is_terminal and console.width < 110:
+        console = Console(highlight=False, width=110)
+    path = "CUDA graph replay" if sim.use_graph else ("eager CUDA" if device.type == "cuda" else
+            ("Triton interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "PyTorch reference"))
+    console.print(
+        f"[bold]serve-sim[/bold]: B={cfg.batch} requests, topk={cfg.topk}, h_q={cfg.h_q}, s_q=1, {cfg.layout} "
+        f"{cfg.cache_dtype} cache, page_block_size={cfg.page_block_size}, contexts {cfg.resolved_min_context()}.."
+        f"{cfg.max_context} (growing), {cfg.steps} steps on {device} ({path})"
+    )
+    res = sim.run(progress=not args.no_progress, console=console)
+    t = Table(title="decode loop (store + index conversion + sparse decode per step)")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("device", res["device_name"])
+    t.add_row("prefill", f"{res['prefill_tokens']} tokens in {res['prefill_s']:.2f} s")
+    t.add_row("contexts at the end", f"{res['final_context_min']} .. {res['final_context_max']}")
+    t.add_row("tokens/s", f"{res['tokens_per_s']:.1f}")
+    for k in ("mean", "p50", "p90", "p99"):
+        t.add_row(f"step latency {k}", f"{res[k + '_ms']:.4f} ms")
+    ok = True
+    if "check" in res:
+        c = res["check"]
+        ok = c["ok"]
+        t.add_row("last step vs fp32 reference", f"max |Δout| {c['out_max_abs_err']:.2e}, cos dist {c['out_cos_dist']:.2e}, "
+                  f"max |Δlse| {c['lse_max_abs_err']:.2e}: " + ("ok" if c["decode_ok"] else "FAIL"))
+        t.add_row("appended tokens' bytes = quantize_k_cache", "ok" if c["store_ok"] else "FAIL")
+        t.add_row("indices distinct, in own blocks", "ok" if c["indices_ok"] else "FAIL")
+    console.print(t)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    console.print("[bold green]PASS[/bold green]" if ok else "[bold red]FAIL[/bold red]")
+    return 0 if ok else 1

@@ -1,0 +1,190 @@
+"""``torch.library`` ops of ``sparse_mla.library``: opcheck, agreement with the functions they wrap,
+and a ``torch.compile(fullgraph=True)`` smoke test of a whole serving step.
+
+On the CPU the ops run the Triton kernels in the interpreter (``TRITON_INTERPRET=1``). Caches are
+``uint8`` here: torch's schema checker (part of opcheck) compares mutated/input tensors with
+``allclose``, which is not implemented for ``float8_e4m3fn`` on the CPU.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from cache_bytes import expected_after_store, storage_bytes, to_device
+from helpers import check_decode_close, make_problem
+
+import sparse_mla as flash_mla
+import sparse_mla.library as lib
+from sparse_mla.kvcache import abs_indices_to_kvcache_indices, get_layout
+from sparse_mla.reference import combine_reference, sparse_decode_reference
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1",
+    reason="kernels need a GPU or TRITON_INTERPRET=1 (set before starting pytest)",
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+OPCHECK_OK = {"test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"}
+
+
+def to_dev(p):
+    """Move a helpers.Problem to DEV (caches with their strides)."""
+    for f in ("q", "indices", "topk_length", "attn_sink", "extra_indices", "extra_topk_length"):
+        v = getattr(p, f)
+        if v is not None:
+            setattr(p, f, v.to(DEV))
+    p.k_cache = to_device(p.k_cache, DEV)
+    if p.extra_k_cache is not None:
+        p.extra_k_cache = to_device(p.extra_k_cache, DEV)
+    return p
+
+
+def assert_opcheck(op, args, kwargs=None):
+    res = torch.library.opcheck(op, args, kwargs or {})
+    assert set(res) == OPCHECK_OK and all(v == "SUCCESS" for v in res.values()), res
+
+
+def test_ops_are_registered():
+    for name in lib.OPS:
+        ns, op = name.split("::")
+        assert hasattr(getattr(torch.ops, ns), op), name
+    # the mutated arguments are declared (alias annotations "Tensor(aN!)"), nothing else is
+    def mutated(op):
+        return [a.name for a in op.default._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+    assert mutated(torch.ops.sparse_mla.quantize_and_store_kv) == ["k_cache"]
+    assert mutated(torch.ops.sparse_mla.combine) == ["out", "lse"]
+    assert mutated(torch.ops.sparse_mla.sparse_decode) == []
+    assert mutated(torch.ops.sparse_mla.abs_indices_to_kvcache_indices) == []
+
+
+@pytest.mark.parametrize("layout,num_sms,extras", [("V32", 32, False), ("MODEL1", 4, True)])
+def test_sparse_decode_op(layout, num_sms, extras):
+    kw = dict(topk_length=[7, 128], attn_sink=[0.5, -1.0], extra_topk=40, extra_topk_length=[40, 3]) if extras else {}
+    p = to_dev(make_problem(b=2, h_q=16, topk=128, layout=layout, num_blocks=3, seed=5, out_dtype=torch.uint8, **kw))
+    meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
+    out, lse = lib.sparse_decode(p.q, p.k_cache, p.indices, meta, **{k: v for k, v in p.api_kwargs().items() if k != "indices"})
+    ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512, **p.ref_kwargs())
+    check_decode_close(out, lse, ro, rl)
+    st = lib.schedule_tensors(meta)
+    assert st["any_split"] == (num_sms == 32)  # many partitions for 2 batches: split, combine runs
+    kwargs = dict(**st, sm_scale=get_layout(layout).d_qk ** -0.5, topk_length=p.topk_length, attn_sink=p.attn_sink,
+                  extra_k_cache=p.extra_k_cache, extra_indices=p.extra_indices, extra_topk_length=p.extra_topk_length)
+    assert_opcheck(torch.ops.sparse_mla.sparse_decode.default, (p.q, p.k_cache, p.indices), kwargs)
+
+
+def test_sparse_decode_op_errors():
+    p = to_dev(make_problem(b=2, h_q=16, topk=128, num_blocks=3, seed=6, out_dtype=torch.uint8))
+    meta, _ = flash_mla.get_mla_metadata(num_sms=32)
+    with pytest.raises(ValueError, match="^tile_scheduler_metadata"):
+        lib.schedule_tensors(meta)  # not filled yet
+    with pytest.raises(TypeError, match="^tile_scheduler_metadata"):
+        lib.sparse_decode(p.q, p.k_cache, p.indices, None)
+    lib.sparse_decode(p.q, p.k_cache, p.indices, meta)
+    st = lib.schedule_tensors(meta)
+    assert st["any_split"]
+    st["any_split"] = False  # would make the kernel write past its accumulators
+    with pytest.raises(ValueError, match="^any_split"):
+        torch.ops.sparse_mla.sparse_decode(p.q, p.k_cache, p.indices, **st, sm_scale=0.1)
+    st["any_split"] = True
+    st["num_splits"] = st["num_splits"][:-1]
+    with pytest.raises(ValueError, match="^num_splits"):
+        torch.ops.sparse_mla.sparse_decode(p.q, p.k_cache, p.indices, **st, sm_scale=0.1)
+    with pytest.raises(TypeError, match="^q"):
+        torch.ops.sparse_mla.sparse_decode(p.q.float(), p.k_cache, p.indices, **lib.schedule_tensors(meta), sm_scale=0.1)
+
+
+def test_combine_op():
+    g = torch.Generator().manual_seed(9)
+    b, s_q, h_q, d_v = 3, 2, 16, 512
+    num_splits = torch.tensor([0, 1, 4, 6], dtype=torch.int32)  # batch 0 whole, batches 1-2 split
+    rows = 6
+    o_acc = torch.randn(rows, s_q, h_q, d_v, generator=g)
+    l_acc = torch.randn(rows, s_q, h_q, generator=g) * 3
+    l_acc[4:6, 1, :4] = float("-inf")  # a query with no valid key in any split
+    sink = torch.randn(h_q, generator=g)
+    out = torch.full((b, s_q, h_q, d_v), 7.0)
+    lse = torch.full((b, h_q, s_q), 7.0)
+    num_splits, o_acc, l_acc, sink, out, lse = (t.to(DEV) for t in (num_splits, o_acc, l_acc, sink, out, lse))
+    ref_out, ref_lse = out.clone(), lse.clone()
+    combine_reference(o_acc, l_acc, num_splits, ref_out, ref_lse, sink)
+    torch.ops.sparse_mla.combine(o_acc, l_acc, num_splits, out, lse, sink)
+    assert torch.all(out[0] == 7.0) and torch.all(lse[0] == 7.0)  # batch 0 left alone
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-6)
+    assert torch.all(out[2, 1, :4] == 0) and torch.all(torch.isposinf(lse[2, :4, 1]))
+    assert_opcheck(torch.ops.sparse_mla.combine.default, (o_acc, l_acc, num_splits, out, lse), {"attn_sink": sink})
+    if DEV == "cpu":  # (checked on the host only: reading num_splits on a GPU would sync)
+        with pytest.raises(ValueError, match="^num_splits"):
+            torch.ops.sparse_mla.combine(o_acc, l_acc, torch.tensor([0, 3, 2, 6], dtype=torch.int32), out, lse)
+    with pytest.raises(ValueError, match="^lse_accum"):
+        torch.ops.sparse_mla.combine(o_acc, l_acc[:5], num_splits, out, lse)
+
+
+@pytest.mark.parametrize("layout,pbs", [("V32", 4), ("MODEL1", 3)])
+def test_quantize_and_store_kv_op(layout, pbs):
+    lay = get_layout(layout)
+    g = torch.Generator().manual_seed(13)
+    nb = 4
+    if layout == "V32":
+        kc = torch.randint(0, 256, (nb, pbs, 1, 656), generator=g, dtype=torch.uint8)
+    else:
+        bb = lay.block_bytes(pbs)
+        kc = torch.randint(0, 256, (nb * bb,), generator=g, dtype=torch.uint8).as_strided((nb, pbs, 1, 584), (bb, 584, 584, 1))
+    kc = to_device(kc, DEV)
+    kv = (torch.randn(5, lay.d_qk, generator=g) * 3).to(torch.bfloat16).to(DEV)
+    slots = torch.tensor([3, -1, nb * pbs - 1, 0, 6], device=DEV)
+    want = expected_after_store(kc, kv, slots)
+    torch.ops.sparse_mla.quantize_and_store_kv(kv, slots, kc)
+    assert torch.equal(storage_bytes(kc).cpu(), want)
+    assert_opcheck(torch.ops.sparse_mla.quantize_and_store_kv.default, (kv, slots, kc))
+
+
+def test_abs_indices_op():
+    g = torch.Generator().manual_seed(17)
+    table = torch.randperm(40, generator=g)[:12].view(2, 6).int()
+    table[1, 2] = -1
+    pos = torch.randint(-1, 7 * 16, (2, 2, 70), generator=g, dtype=torch.int32)
+    table, pos = table.to(DEV), pos.to(DEV)
+    got = torch.ops.sparse_mla.abs_indices_to_kvcache_indices(pos, table, 16)
+    assert torch.equal(got, abs_indices_to_kvcache_indices(pos, table, 16))
+    assert_opcheck(torch.ops.sparse_mla.abs_indices_to_kvcache_indices.default, (pos, table, 16))
+
+
+@pytest.mark.parametrize("layout,backend", [("V32", "inductor"), ("MODEL1", "aot_eager")])
+def test_compiled_serving_step_fullgraph(layout, backend):
+    """store + index conversion + decode traced as one graph (no graph break) give the eager result."""
+    lay = get_layout(layout)
+    pbs = 64
+    p = to_dev(make_problem(b=2, h_q=16, topk=64, layout=layout, num_blocks=3, page_block_size=pbs, seed=21,
+                            out_dtype=torch.uint8))
+    g = torch.Generator().manual_seed(22)
+    table = torch.tensor([[2, 0], [1, -1]], dtype=torch.int32)
+    pos = torch.randint(0, 100, (2, 1, 64), generator=g, dtype=torch.int32)
+    pos[1, 0, :8] = -1
+    kv = (torch.randn(2, lay.d_qk, generator=g) * 0.5).to(torch.bfloat16)
+    slots = torch.tensor([5, 70])
+    table, pos, kv, slots = table.to(DEV), pos.to(DEV), kv.to(DEV), slots.to(DEV)
+    meta, _ = flash_mla.get_mla_metadata(num_sms=4)
+    lib.sparse_decode(p.q, p.k_cache, abs_indices_to_kvcache_indices(pos, table, pbs), meta)  # fill the schedule
+    st = lib.schedule_tensors(meta)
+
+    def step(kv, slots, k_cache, pos, table, q):
+        torch.ops.sparse_mla.quantize_and_store_kv(kv, slots, k_cache)
+        idx = torch.ops.sparse_mla.abs_indices_to_kvcache_indices(pos, table, pbs)
+        return torch.ops.sparse_mla.sparse_decode(q, k_cache, idx, **st, sm_scale=lay.d_qk ** -0.5)
+
+    def fresh_cache():
+        flat = storage_bytes(p.k_cache).clone()
+        return flat.as_strided(p.k_cache.shape, p.k_cache.stride(), p.k_cache.storage_offset())
+
+    k_eager, k_comp = fresh_cache(), fresh_cache()
+    want_cache = expected_after_store(k_eager, kv, slots)
+    oe, le = step(kv, slots, k_eager, pos, table, p.q)
+    oc, lc = torch.compile(step, fullgraph=True, backend=backend)(kv, slots, k_comp, pos, table, p.q)
+    assert torch.equal(storage_bytes(k_eager).cpu(), want_cache)
+    assert torch.equal(storage_bytes(k_comp).cpu(), want_cache)
+    assert torch.equal(oe, oc) and torch.equal(le, lc)
+    ro, rl = sparse_decode_reference(p.q, k_eager, abs_indices_to_kvcache_indices(pos, table, pbs), None, 512)
+    check_decode_close(oc, lc, ro, rl)

@@ -1,0 +1,127 @@
+"""Decode-loop simulation (``sparse_mla.serve_sim`` / ``sparse-mla serve-sim``) at tiny CPU sizes.
+
+Step by step: each step's decode output equals the fp32 reference on the same cache state, each
+appended token's bytes equal ``quantize_k_cache`` of its values, the top-k indices are distinct
+positions of the request's own blocks, blocks are allocated as contexts grow, and after N steps
+every byte of the cache outside the appended slots is what the prefill left there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from cache_bytes import quantized_token_bytes, storage_bytes, token_byte_offsets
+from helpers import check_decode_close
+
+from sparse_mla.reference import sparse_decode_reference
+from sparse_mla.serve_sim import ServeSim, ServeSimConfig, default_config
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1",
+    reason="kernels need a GPU or TRITON_INTERPRET=1 (set before starting pytest)",
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("layout,cache_dtype", [("V32", "fp8"), ("MODEL1", "uint8")])
+def test_steps_match_references(layout, cache_dtype):
+    # short contexts (some below topk, padded with -1) crossing page blocks of 4 during the steps
+    cfg = ServeSimConfig(batch=3, topk=64, max_context=60, min_context=5, steps=5, page_block_size=4,
+                         h_q=16, layout=layout, cache_dtype=cache_dtype, seed=3)
+    sim = ServeSim(cfg, DEV)
+    sim.prefill()
+    after_prefill = storage_bytes(sim.k_cache).cpu().clone()
+    ctx0 = list(sim.ctx_host)
+    blocks0 = int((sim.table_host >= 0).sum())
+    assert len(set(ctx0)) > 1 and min(ctx0) < cfg.topk  # different lengths, some shorter than topk
+    appended_kv, appended_slots = [], []
+    for step in range(cfg.steps + 1):
+        out, lse = sim.step()
+        if step == 0 and DEV == "cuda":
+            sim.capture()  # later steps replay the CUDA graph
+        assert sim.ctx_host == [c + step + 1 for c in ctx0]
+        assert torch.equal(sim.ctx.cpu(), torch.tensor(sim.ctx_host, dtype=torch.int32))
+        # the new token of request i went to position ctx-1 of its own block table
+        slots = sim.slot_buf.view(-1).cpu().long()
+        table = sim.block_table.cpu()
+        for i, c in enumerate(sim.ctx_host):
+            t = c - 1
+            assert slots[i] == table[i, t // cfg.page_block_size] * cfg.page_block_size + t % cfg.page_block_size
+        appended_kv.append(sim.kv_buf.clone())
+        appended_slots.append(slots)
+        stored = storage_bytes(sim.k_cache).cpu()[token_byte_offsets(sim.k_cache, slots)]
+        assert torch.equal(stored, quantized_token_bytes(sim.kv_buf))
+        # indices: min(topk, ctx) distinct valid positions of the request, then -1
+        pos = sim.pos_buf.view(cfg.batch, cfg.topk).cpu()
+        for i, c in enumerate(sim.ctx_host):
+            k = min(cfg.topk, c)
+            assert torch.all(pos[i, k:] == -1)
+            assert sorted(pos[i, :k].tolist()) == sorted(set(pos[i, :k].tolist()))
+            assert 0 <= int(pos[i, :k].min()) and int(pos[i, :k].max()) < c
+            if c <= cfg.topk:
+                assert sorted(pos[i, :k].tolist()) == list(range(c))  # the whole context
+        assert sim._indices_ok()
+        # the decode on this cache state equals the fp32 reference
+        ro, rl = sparse_decode_reference(sim.q_buf, sim.k_cache, sim.idx_buf, None, 512)
+        check_decode_close(out, lse, ro, rl)
+    # blocks were allocated as the contexts grew, never shared between requests
+    t = sim.table_host
+    assert int((t >= 0).sum()) > blocks0
+    for i, c in enumerate(sim.ctx_host):
+        assert int((t[i] >= 0).sum()) == -(-c // cfg.page_block_size)
+    used = t[t >= 0].tolist()
+    assert len(used) == len(set(used))
+    # after N steps: appended tokens hold quantize_k_cache of their values, everything else is unchanged
+    all_slots = torch.cat(appended_slots)
+    assert all_slots.unique().numel() == all_slots.numel()
+    at = token_byte_offsets(sim.k_cache, all_slots)
+    final = storage_bytes(sim.k_cache).cpu()
+    assert torch.equal(final[at], quantized_token_bytes(torch.cat(appended_kv)))
+    untouched = torch.ones_like(final, dtype=torch.bool)
+    untouched[at.reshape(-1)] = False
+    assert torch.equal(final[untouched], after_prefill[untouched])
+
+
+def test_run_reports_latency_and_passes_its_check():
+    cfg = default_config("cpu", steps=3, batch=2, max_context=200, seed=1)
+    res = ServeSim(cfg, DEV).run(progress=False)
+    assert res["check"]["ok"], res["check"]
+    assert len(res["latencies_ms"]) == 3 and all(x > 0 for x in res["latencies_ms"])
+    assert res["p50_ms"] <= res["p90_ms"] <= res["p99_ms"] <= max(res["latencies_ms"]) + 1e-9
+    assert res["tokens_per_s"] == pytest.approx(2 / (res["mean_ms"] * 1e-3))
+    assert res["final_context_max"] == 200 and res["graph"] is (DEV == "cuda")
+
+
+def test_cli_serve_sim(tmp_path):
+    out = tmp_path / "res.json"
+    env = dict(os.environ, COLUMNS="150", NO_COLOR="1")
+    env.pop("TRITON_INTERPRET", None)  # the CLI sets it itself on the CPU
+    r = subprocess.run(
+        [sys.executable, "-m", "sparse_mla", "serve-sim", "--device", "cpu", "--steps", "2", "--batch", "2",
+         "--max-context", "128", "--topk", "64", "--layout", "MODEL1", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    for fact in ("tokens/s", "p50", "p90", "p99", "PASS", "Triton interpreter", "2/2"):
+        assert fact in r.stdout, fact
+    res = json.loads(out.read_text())
+    assert res["steps"] == 2 and res["layout"] == "MODEL1" and res["check"]["ok"]
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="^batch"):
+        ServeSim(ServeSimConfig(batch=0), "cpu")
+    with pytest.raises(ValueError, match="^h_q"):
+        ServeSim(ServeSimConfig(h_q=256), "cpu")
+    with pytest.raises(ValueError, match="^max_context"):
+        ServeSim(ServeSimConfig(max_context=40, min_context=38, steps=4), "cpu")
+    with pytest.raises(ValueError, match="^cache_dtype"):
+        ServeSim(ServeSimConfig(cache_dtype="bf16"), "cpu")
+    with pytest.raises(ValueError, match="layout"):
+        ServeSim(ServeSimConfig(layout="V4"), "cpu")
+    with pytest.raises(RuntimeError, match="prefill"):
+        ServeSim(ServeSimConfig(), "cpu").step()
