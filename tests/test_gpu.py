@@ -65,10 +65,12 @@ def run(q, kc, idx, **kw):
     return out, lse
 
 
+@pytest.mark.parametrize("backend", ["auto", "tl"])  # auto: the Gluon kernel on Hopper
 @pytest.mark.parametrize("b", [1, 2, 64, 128])
 @pytest.mark.parametrize("h_q", [128, 64])
 @pytest.mark.parametrize("s_q", [1, 2])
-def test_v32_production_shapes(b, h_q, s_q):
+def test_v32_production_shapes(b, h_q, s_q, backend, monkeypatch):
+    monkeypatch.setenv("SPARSE_MLA_BACKEND", backend)
     kc, table, ctx = paged_context(b, 32768, 64, "V32", seed=b * 7 + h_q + s_q, min_ctx=1024)
     pos = topk_positions(ctx, s_q, 2048, seed=b + s_q)
     idx = abs_indices_to_kvcache_indices(pos, table, 64)
@@ -103,7 +105,9 @@ def test_odd_page_sizes_real_topk(pbs):
     run(q, kc, idx, attn_sink=sink, topk_length=tl_)
 
 
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("backend", ["auto", "tl"])
+def test_cuda_graph_capture_and_replay(backend, monkeypatch):
+    monkeypatch.setenv("SPARSE_MLA_BACKEND", backend)
     b, s_q, h_q = 16, 2, 128
     kc, table, ctx = paged_context(b, 16384, 64, "V32", seed=5)
     q = torch.randn(b, s_q, h_q, 576, device=DEV).to(torch.bfloat16)

@@ -279,6 +279,7 @@ def _sparse_decode_kernel(
 
 
 _DEFAULT_TUNE = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+_STAGE_CAP: dict = {}  # kernel variant -> most pipeline stages that fit in shared memory
 
 
 def _tuning() -> dict:
@@ -294,8 +295,35 @@ def _tuning() -> dict:
     return tune
 
 
+def _backend() -> str:
+    """``SPARSE_MLA_BACKEND``: ``auto`` (default), ``tl`` (portable kernel) or ``gluon`` (Hopper kernel)."""
+    b = os.environ.get("SPARSE_MLA_BACKEND", "auto")
+    if b not in ("auto", "tl", "gluon"):
+        raise ValueError(f"SPARSE_MLA_BACKEND: expected 'auto', 'tl' or 'gluon', got {b!r}")
+    return b
+
+
+def gluon_supported(p: DecodeProblem) -> bool:
+    """Whether the warp-specialised Hopper kernel (:mod:`.sparse_decode_gluon`) serves this call:
+    compiled (not interpreted) on an sm_90 GPU, V32 layout, no extra cache, h_q a multiple of 64."""
+    dev = p.q.device
+    return (
+        dev.type == "cuda"
+        and not _interpreting()
+        and torch.cuda.get_device_capability(dev)[0] == 9
+        and p.layout.name == "V32"
+        and p.extra_k_cache is None
+        and p.q.shape[2] % 64 == 0
+    )
+
+
 def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split-KV kernel (and the combine kernel when a batch is split).
+
+    On Hopper, calls that :func:`gluon_supported` accepts run the warp-specialised Gluon kernel
+    (same contract, measured faster: docs/perf.md); everything else runs the portable ``tl``
+    kernel below. ``SPARSE_MLA_BACKEND=tl`` forces the portable kernel, ``=gluon`` the Gluon one
+    (``NotImplementedError`` where it does not apply).
 
     Args:
         p: a validated call (:func:`sparse_mla.interface.validate_sparse_decode`).
@@ -306,6 +334,16 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
     """
     from .combine import combine_fwd
 
+    backend = _backend()
+    if backend == "gluon" or (backend == "auto" and gluon_supported(p)):
+        if not gluon_supported(p):
+            raise NotImplementedError(
+                "SPARSE_MLA_BACKEND=gluon: the Gluon kernel needs an sm_90 GPU, the V32 layout, no extra cache "
+                "and h_q a multiple of 64"
+            )
+        from .sparse_decode_gluon import sparse_decode_fwd as gluon_fwd
+
+        return gluon_fwd(p, table)
     q = p.q
     b, s_q, h_q, _ = q.shape
     lay = p.layout
@@ -345,7 +383,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
     dummy_i32 = table.num_splits
     is_v32 = lay.name == "V32"
     grid = (table.num_sm_parts, s_q, n_hb)
-    _sparse_decode_kernel[grid](
+    args = (
         q, q.stride(0), q.stride(1), q.stride(2),
         *kv, p.indices, *p.indices.stride(), p.indices.shape[2],
         p.topk_length if p.topk_length is not None else dummy_i32,
@@ -358,6 +396,8 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
         o_acc, o_acc.stride(0), o_acc.stride(1), o_acc.stride(2),
         l_acc, l_acc.stride(0), l_acc.stride(1),
         h_q, p.sm_scale * LOG2E,
+    )
+    consts = dict(
         ADDR=addr_mode(p.k_cache), E_ADDR=addr_mode(p.extra_k_cache) if has_extra else 0,
         IS_V32=is_v32, D_MAIN=512, D_NOPE=lay.d_nope, D_TAIL=64,
         TILE=lay.tile, MAIN_TILES=512 // lay.tile, NUM_TILES=lay.num_tiles,
@@ -366,9 +406,21 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
         HAS_EXTRA_LEN=p.extra_topk_length is not None, HAS_SINK=p.attn_sink is not None,
         # the interpreter's bf16 dot is wrong (DESIGN §8): fp32 operands, exact (ieee) products there
         DOT_DTYPE=tl.float32 if interp else tl.bfloat16, DOT_PREC="ieee" if interp else None,
-        FOR_LOOP=not interp, NUM_STAGES=tune["num_stages"],
-        num_warps=tune["num_warps"],
+        FOR_LOOP=not interp,
     )
+    # a pipelined variant can need more shared memory than the GPU has (seen: MODEL1 with an extra
+    # cache, 246 KB at num_stages=2 on an H200): fall back to fewer stages, once per variant
+    key = (dev.type, dev.index, tuple(sorted((k, str(v)) for k, v in consts.items())), tune["num_warps"])
+    stages = min(tune["num_stages"], _STAGE_CAP.get(key, tune["num_stages"]))
+    while True:
+        try:
+            _sparse_decode_kernel[grid](*args, **consts, NUM_STAGES=stages, num_warps=tune["num_warps"])
+            break
+        except triton.runtime.errors.OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            _STAGE_CAP[key] = stages
     if any_split:
         combine_fwd(o_acc, l_acc, table.num_splits, out, lse, p.attn_sink)
     return out.to(torch.bfloat16), lse

@@ -1,0 +1,185 @@
+"""Gluon (warp-specialised, Hopper) sparse decode vs the fp32 reference. GPU-only (sm_90).
+
+    PYTHONPATH=src python3 -m pytest tests/test_gluon.py -x -q
+    PYTHONPATH=src python3 tests/test_gluon.py bench      # µs vs the tl kernel
+
+The launcher is called directly (``sparse_decode_gluon.sparse_decode_fwd(p, table)``) with the
+scheduler table of :func:`sparse_mla.interface._ensure_schedule`, so split and unsplit schedules
+are chosen with ``get_mla_metadata(num_sms=...)``.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import sparse_mla as flash_mla
+from sparse_mla.interface import _ensure_schedule, validate_sparse_decode
+from sparse_mla.kvcache import quantize_k_cache
+from sparse_mla.reference import sparse_decode_reference
+
+try:
+    from helpers import check_decode_close
+except ImportError:  # run as a script from the repo root
+    sys.path.insert(0, "tests")
+    from helpers import check_decode_close
+
+
+def _is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90) CUDA device")]
+DEV = "cuda"
+
+
+def make_case(b, s_q, h_q, topk=2048, num_blocks=None, pbs=64, seed=0, invalid_frac=0.05, nan_unused=False,
+              topk_length=None, sink=False):
+    """Random V32 problem on the GPU: (q, k_cache, indices, kwargs for the API/reference)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    num_blocks = num_blocks or max(2 * topk // pbs, 8)
+    n_tok = num_blocks * pbs
+    k = torch.randn(num_blocks, pbs, 1, 576, device=DEV, generator=g)
+    mag = 10.0 ** (torch.rand(num_blocks, pbs, 1, 9, device=DEV, generator=g) * 2 - 2)
+    k = (k * mag.repeat_interleave(64, dim=-1)).to(torch.bfloat16)
+    kc = quantize_k_cache(k, "V32")
+    q = torch.randn(b, s_q, h_q, 576, device=DEV, generator=g).to(torch.bfloat16)
+    # distinct random tokens per (batch, query), then some invalid ones (-1 and out of range)
+    idx = torch.stack([torch.randperm(n_tok, device=DEV, generator=g)[:topk] for _ in range(b * s_q)])
+    idx = idx.view(b, s_q, topk).int()
+    bad = torch.rand(b, s_q, topk, device=DEV, generator=g) < invalid_frac
+    oob = torch.rand(b, s_q, topk, device=DEV, generator=g) < 0.5
+    idx = torch.where(bad & oob, torch.full_like(idx, n_tok + 5), torch.where(bad, torch.full_like(idx, -1), idx))
+    kw = {}
+    if topk_length is not None:
+        kw["topk_length"] = torch.tensor(topk_length, dtype=torch.int32, device=DEV)
+    if sink:
+        s = torch.randn(h_q, device=DEV, generator=g)
+        s[:2] = float("inf")
+        s[2:4] = float("-inf")
+        kw["attn_sink"] = s
+    if nan_unused:
+        used = torch.zeros(n_tok, dtype=torch.bool, device=DEV)
+        lens = kw.get("topk_length")
+        for i in range(b):
+            n = topk if lens is None else int(min(lens[i].item(), topk))
+            ix = idx[i, :, :n].flatten().long()
+            used[ix[(ix >= 0) & (ix < n_tok)]] = True
+        raw = kc.view(torch.uint8).view(n_tok, 656)
+        raw[~used] = 0x7F  # e4m3 NaN bytes (RoPE bf16 0x7F7F is NaN too)
+        raw[:, 512:528].view(torch.float32)[~used] = float("nan")  # NaN scales (in place: a view)
+    return q, kc, idx, kw
+
+
+def run_gluon(q, kc, idx, num_sms=None, **kw):
+    from sparse_mla.ops.sparse_decode_gluon import sparse_decode_fwd
+
+    meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
+    p = validate_sparse_decode(q, kc, 512, idx, None, True, False, kw.get("attn_sink"), None, None,
+                               kw.get("topk_length"), None)
+    table = _ensure_schedule(meta, p)
+    out, lse = sparse_decode_fwd(p, table)
+    torch.cuda.synchronize()
+    return out, lse, table
+
+
+def check(q, kc, idx, num_sms=None, expect_split=None, **kw):
+    out, lse, table = run_gluon(q, kc, idx, num_sms, **kw)
+    if expect_split is not None:
+        assert table.any_split == expect_split
+    ro, rl = sparse_decode_reference(q, kc, idx, None, 512, **kw)
+    check_decode_close(out, lse, ro, rl)
+    return out, lse
+
+
+@pytest.mark.parametrize("b", [1, 4, 64])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("sched", ["device", "unsplit"])
+def test_matches_reference(b, s_q, h_q, sched):
+    q, kc, idx, kw = make_case(b, s_q, h_q, seed=b * 100 + s_q * 10 + h_q)
+    # "unsplit": one partition per (s_q, head block) -> every batch in one piece, no combine
+    num_sms = s_q * (h_q // 64) if sched == "unsplit" else None
+    check(q, kc, idx, num_sms, expect_split=False if sched == "unsplit" else None, **kw)
+
+
+@pytest.mark.parametrize("num_sms", [None, 16, 2])
+def test_topk_length_sink_nan(num_sms):
+    b, s_q, h_q = 4, 2, 128
+    q, kc, idx, kw = make_case(b, s_q, h_q, seed=7, topk_length=[0, 1, 1000, 2048], sink=True, nan_unused=True)
+    out, lse = check(q, kc, idx, num_sms, **kw)
+    assert torch.isfinite(out.float()).all()
+    assert (out[:, :, :2].float() == 0).all()  # +inf sink
+    assert torch.isposinf(lse[0]).all()  # topk_length 0: lonely
+
+
+def test_split_schedule_is_used():
+    q, kc, idx, kw = make_case(2, 1, 64, seed=3)
+    check(q, kc, idx, 132, expect_split=True, **kw)
+
+
+def test_lonely_rows_all_invalid():
+    q, kc, idx, kw = make_case(3, 2, 64, topk=256, seed=5, sink=True)
+    idx[1] = -1
+    idx[2, 1] = 10_000_000
+    for num_sms in (2, 132):
+        out, lse = check(q, kc, idx, num_sms, **kw)
+        assert torch.isposinf(lse[1]).all() and (out[1].float() == 0).all()
+
+
+def test_odd_page_block_size():
+    q, kc, idx, kw = make_case(4, 2, 128, topk=2048, pbs=61, num_blocks=80, seed=9, topk_length=[2048, 5, 700, 0])
+    for num_sms in (4, 132):
+        check(q, kc, idx, num_sms, **kw)
+
+
+def test_unsupported_raises():
+    from sparse_mla.ops.sparse_decode_gluon import sparse_decode_fwd
+
+    q, kc, idx, _ = make_case(1, 1, 64, topk=64, seed=1)
+    q32 = torch.randn(1, 1, 32, 576, device=DEV).to(torch.bfloat16)
+    meta, _ = flash_mla.get_mla_metadata()
+    p = validate_sparse_decode(q32, kc, 512, idx, None, True)
+    with pytest.raises(NotImplementedError):
+        sparse_decode_fwd(p, _ensure_schedule(meta, p))
+
+
+# --------------------------------------------------------------------------------------------- bench
+def bench(bs=(64, 128), h_q=128, s_q=2, topk=2048, rep=200):
+    """Print µs per call for the Gluon kernel and the tl kernel (same schedule, same inputs)."""
+    import triton
+
+    from sparse_mla.ops import sparse_decode as tl_sd
+    from sparse_mla.ops import sparse_decode_gluon as g_sd
+
+    for b in bs:
+        g = torch.Generator(device=DEV).manual_seed(b)
+        nb = 64 * 1024 // 64  # 64K-token cache
+        k = (torch.randn(nb, 64, 1, 576, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
+        kc = quantize_k_cache(k, "V32")
+        q = torch.randn(b, s_q, h_q, 576, device=DEV, generator=g).to(torch.bfloat16)
+        idx = torch.randint(0, nb * 64, (b, s_q, topk), device=DEV, generator=g, dtype=torch.int32)
+        meta, _ = flash_mla.get_mla_metadata()
+        p = validate_sparse_decode(q, kc, 512, idx, None, True)
+        table = _ensure_schedule(meta, p)
+        res = {}
+        for name, fn in (("gluon", g_sd.sparse_decode_fwd), ("tl", tl_sd.sparse_decode_fwd)):
+            fn(p, table)
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(lambda: fn(p, table), warmup=25, rep=rep)
+            res[name] = ms * 1e3
+        flops = 2 * b * s_q * h_q * topk * (576 + 512)
+        o_g, l_g = g_sd.sparse_decode_fwd(p, table)
+        o_t, l_t = tl_sd.sparse_decode_fwd(p, table)
+        diff = (o_g.float() - o_t.float()).abs().max().item()
+        print(f"b={b:4d} h_q={h_q} s_q={s_q} topk={topk} split={table.any_split}: "
+              f"gluon {res['gluon']:8.1f} us ({flops / res['gluon'] / 1e6:6.1f} TFLOP/s)   "
+              f"tl {res['tl']:8.1f} us ({flops / res['tl'] / 1e6:6.1f} TFLOP/s)   max|gluon-tl| {diff:.3e}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "bench":
+        bench()
+    else:
+        sys.exit(pytest.main([__file__, "-x", "-q"]))
