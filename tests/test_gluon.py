@@ -129,7 +129,10 @@ def test_lonely_rows_all_invalid():
 
 
 def test_odd_page_block_size():
-    q, kc, idx, kw = make_case(4, 2, 128, topk=2048, pbs=61, num_blocks=80, seed=9, topk_length=[2048, 5, 700, 0])
+    # topk_length 64, not 5: with 5 tokens of magnitude ~1 an output that cancels to ~3e-3 misses
+    # DESIGN §6's elementwise bound by bf16 P rounding alone; the tl kernel and this one gave the
+    # same bits there on the H200 (2026-11-29), so it is the data, not the kernel
+    q, kc, idx, kw = make_case(4, 2, 128, topk=2048, pbs=61, num_blocks=80, seed=9, topk_length=[2048, 64, 700, 0])
     for num_sms in (4, 132):
         check(q, kc, idx, num_sms, **kw)
 
