@@ -331,8 +331,13 @@ def flash_mla_with_kvcache(
         q, k_cache, head_dim_v, indices, softmax_scale, is_fp8_kvcache, causal, attn_sink,
         extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length,
     )
-    table = _ensure_schedule(tile_scheduler_metadata, p)
-    if _use_triton(q.device):
+    return run_sparse_decode(p, _ensure_schedule(tile_scheduler_metadata, p))
+
+
+def run_sparse_decode(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a validated call: the Triton kernels on CUDA (and on the CPU under ``TRITON_INTERPRET=1``),
+    else the split-KV PyTorch reference. Returns ``(out bf16, lse fp32)``."""
+    if _use_triton(p.q.device):
         from .ops.sparse_decode import sparse_decode_fwd
 
         return sparse_decode_fwd(p, table)

@@ -24,12 +24,11 @@ the kernels: they are imported when an op first runs.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from .interface import FlashMLASchedMeta, _ensure_schedule, validate_sparse_decode
+from .interface import FlashMLASchedMeta, _ensure_schedule, _use_triton, run_sparse_decode, validate_sparse_decode
 from .scheduler import META_FIELDS, ScheduleTable
 
 __all__ = ["sparse_decode", "schedule_tensors", "OPS"]
@@ -43,10 +42,6 @@ OPS = (
 )
 
 D_V = 512
-
-
-def _use_triton(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check_sched_tensors(
@@ -120,17 +115,7 @@ def _sparse_decode_op(
         num_blocks_t=num_blocks,
         any_split=bool(any_split),
     )
-    if _use_triton(q.device):
-        from .ops.sparse_decode import sparse_decode_fwd
-
-        return sparse_decode_fwd(p, table)
-    from .reference import sparse_decode_split_reference
-
-    out, lse = sparse_decode_split_reference(
-        p.q, p.k_cache, p.indices, table, p.sm_scale, p.d_v, p.topk_length, p.attn_sink,
-        p.extra_k_cache, p.extra_indices, p.extra_topk_length,
-    )
-    return out.to(torch.bfloat16), lse
+    return run_sparse_decode(p, table)
 
 
 @_sparse_decode_op.register_fake
