@@ -84,3 +84,16 @@ def test_rejects_bad_arguments():
         abs_indices_to_kvcache_indices_triton(idx, bt, 64, out=torch.zeros(2, 1, 4))
     with pytest.raises(ValueError, match="^out"):
         abs_indices_to_kvcache_indices_triton(idx, bt, 64, out=torch.zeros(2, 1, 5, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fn", ["torch", "triton"])
+def test_int32_overflow_and_empty_batch(fn):
+    """Slots past int32 become -1 (they used to wrap to valid slots); b = 0 works."""
+    conv = abs_indices_to_kvcache_indices if fn == "torch" else abs_indices_to_kvcache_indices_triton
+    dev = DEV
+    r = conv(torch.tensor([[[0, 1, 5]]], dtype=torch.int32, device=dev), torch.tensor([[2**30]], dtype=torch.int32, device=dev), 4)
+    assert r.tolist() == [[[-1, -1, -1]]]
+    r = conv(torch.tensor([[[3]]], dtype=torch.int32, device=dev), torch.tensor([[1]], dtype=torch.int32, device=dev), 2**30)
+    assert r.tolist() == [[[2**30 + 3]]]
+    r = conv(torch.zeros(0, 1, 4, dtype=torch.int32, device=dev), torch.zeros(0, 2, dtype=torch.int32, device=dev), 16)
+    assert r.shape == (0, 1, 4)

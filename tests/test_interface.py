@@ -308,3 +308,16 @@ def test_failed_validation_leaves_meta_empty(good):
     assert not meta.have_initialized
     out, _ = call(good, meta)  # still usable
     assert meta.have_initialized and out.shape == (2, 1, 16, 512)
+
+
+def test_more_argument_errors():
+    with pytest.raises(ValueError, match="^num_sms"):
+        flash_mla.get_mla_metadata(num_sms=10**6)
+    import sparse_mla.library as lib
+
+    with pytest.raises(TypeError, match="^tile_scheduler_metadata"):
+        lib.schedule_tensors(None)
+    kc = flash_mla.quantize_k_cache(torch.randn(2, 4, 1, 576).to(torch.bfloat16))
+    for bad in ("bf16", torch.int32, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match="^dtype"):
+            flash_mla.dequantize_k_cache(kc, "V32", dtype=bad)

@@ -194,3 +194,43 @@ def test_compiled_serving_step_fullgraph(layout, backend):
     assert torch.equal(oe, oc) and torch.equal(le, lc)
     ro, rl = sparse_decode_reference(p.q, k_eager, abs_indices_to_kvcache_indices(pos, table, pbs), None, 512)
     check_decode_close(oc, lc, ro, rl)
+
+
+FORGED = {
+    "requests past b": lambda st: st["tile_scheduler_metadata"].__setitem__((0, slice(0, 2)), 1000),
+    "negative request": lambda st: st["tile_scheduler_metadata"].__setitem__((0, 0), -3),
+    "negative num_splits": lambda st: st["num_splits"].copy_(torch.tensor([-500, 0, 7])),
+    "num_splits past the rows": lambda st: st["num_splits"].copy_(torch.tensor([0, 1000, 3])),
+    "2**31-1 blocks": lambda st: st["tile_scheduler_metadata"].__setitem__((0, 3), 2**31 - 1),
+    "2**31-1 main blocks": lambda st: st["main_blocks"].fill_(2**31 - 1),
+    "huge split index": lambda st: st["tile_scheduler_metadata"].__setitem__((slice(None), 4), 10**6),
+}
+
+
+@pytest.mark.parametrize("case", list(FORGED))
+def test_forged_schedule_is_rejected_or_bounded(case):
+    """Scheduler tensors the scheduler cannot have made: rejected on the host; on a device (no
+    sync possible) the op bounds them, and the kernels then stay inside every buffer."""
+    from sparse_mla.interface import run_sparse_decode, validate_sparse_decode
+    from sparse_mla.scheduler import ScheduleTable
+
+    p = to_dev(make_problem(b=2, s_q=1, h_q=16, topk=200, seed=31))
+    meta, _ = flash_mla.get_mla_metadata(num_sms=16)
+    lib.sparse_decode(p.q, p.k_cache, p.indices, meta)
+    st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in lib.schedule_tensors(meta).items()}
+    rows = 2 + st["tile_scheduler_metadata"].shape[0]
+    legit = lib._bounded_schedule(st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows)
+    for t, u in zip(legit, (st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"])):
+        assert torch.equal(t, u)  # the scheduler's own tensors pass unchanged
+    FORGED[case](st)
+    if p.q.device.type == "cpu":
+        with pytest.raises(ValueError, match="^(tile_scheduler_metadata|num_splits|main_blocks|num_blocks): values out of range"):
+            torch.ops.sparse_mla.sparse_decode(p.q, p.k_cache, p.indices, **st, sm_scale=0.1)
+    md, ns, mb, nb = lib._bounded_schedule(st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows)
+    assert int(md[:, 0].min()) >= 0 and int(md[:, 1].max()) <= 1 and int(md[:, 3].max()) <= 4
+    assert int(ns.min()) >= 0 and int(ns.max()) <= rows - 1 and bool((ns[1:] >= ns[:-1]).all()) and int(ns[0]) == 0
+    # the kernels run on the bounded tensors without touching memory outside their buffers
+    q = validate_sparse_decode(p.q, p.k_cache, 512, p.indices)
+    table = ScheduleTable(md.shape[0], md, ns, mb, [], 0, nb, True)
+    out, lse = run_sparse_decode(q, table)
+    assert out.shape == (2, 1, 16, 512) and lse.shape == (2, 16, 1)

@@ -27,6 +27,8 @@ __all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "D
 
 #: SM count assumed for CPU tensors (the seed's H800/SM90 figure, so CPU runs schedule like it).
 DEFAULT_CPU_NUM_SMS = 132
+#: Largest ``num_sms`` accepted (partitions get accumulators of ``b + num_sm_parts`` rows).
+MAX_NUM_SMS = 1024
 
 
 @dataclass
@@ -67,13 +69,13 @@ def get_mla_metadata(*args: Any, num_sms: Optional[int] = None, **kwargs: Any) -
     Positional and other keyword arguments are accepted and ignored, as in FlashMLA 1.0.
 
     Args:
-        num_sms: schedule for this many SMs instead of the device's (tests, what-if studies).
+        num_sms: schedule for this many SMs (1..1024) instead of the device's (tests, what-if studies).
 
     Raises:
-        ValueError: ``num_sms`` is not a positive int.
+        ValueError: ``num_sms`` is not an int in [1, 1024].
     """
-    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms <= 0):
-        raise ValueError(f"num_sms: expected a positive int or None, got {num_sms!r}")
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 0 < num_sms <= MAX_NUM_SMS):
+        raise ValueError(f"num_sms: expected an int in [1, {MAX_NUM_SMS}] or None, got {num_sms!r}")
     return FlashMLASchedMeta(num_sms=num_sms), None
 
 

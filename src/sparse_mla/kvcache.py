@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 FP8_E4M3_MAX = 448.0
+_INT32_MAX = 2**31 - 1
 SCALE_AMAX_FLOOR = 1e-4
 
 
@@ -317,6 +318,8 @@ def dequantize_k_cache(kq: torch.Tensor, layout: LayoutLike = "V32", dtype: torc
     """
     lay = get_layout(layout)
     _check_quantized_cache(kq, lay, "kq")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise TypeError(f"dtype: expected a floating torch.dtype of 16 or more bits (e.g. torch.bfloat16), got {dtype!r}")
     nb, pbs = kq.shape[0], kq.shape[1]
     idx = torch.arange(nb * pbs, device=kq.device)
     return gather_dequant_tokens(kq, lay, idx).to(dtype).view(nb, pbs, 1, lay.d_qk)
@@ -354,7 +357,7 @@ def abs_indices_to_kvcache_indices(
     Returns:
         ``[b, s_q, topk]`` int32 ``block_table[i, t // page_block_size] * page_block_size +
         t % page_block_size``; ``-1`` where the position is ``-1``, outside the block table, or
-        maps to a negative block.
+        maps to a negative block or to a slot past int32.
 
     Raises:
         TypeError / ValueError: wrong dtypes, shapes or ``page_block_size``.
@@ -364,10 +367,11 @@ def abs_indices_to_kvcache_indices(
     lb = torch.div(t, page_block_size, rounding_mode="floor")
     nlog = block_table.shape[1]
     ok = (t >= 0) & (lb < nlog)
-    lb_safe = torch.where(ok, lb, torch.zeros_like(lb)).view(t.shape[0], -1)
+    lb_safe = torch.where(ok, lb, torch.zeros_like(lb)).reshape(t.shape[0], t.shape[1] * t.shape[2])
     phys = torch.gather(block_table.long(), 1, lb_safe).view_as(t) if nlog > 0 else torch.zeros_like(t)
     ok = ok & (phys >= 0)
     res = phys * page_block_size + t % page_block_size
+    ok = ok & (res <= _INT32_MAX)  # a slot int32 cannot hold is no slot (it must not wrap into a valid one)
     return torch.where(ok, res, torch.full_like(res, -1)).to(torch.int32)
 
 

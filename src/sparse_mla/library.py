@@ -66,6 +66,36 @@ def _check_sched_tensors(
         raise ValueError("tile_scheduler_metadata: must be contiguous")
 
 
+def _bounded_schedule(
+    metadata: torch.Tensor, num_splits: torch.Tensor, main_blocks: torch.Tensor, num_blocks: torch.Tensor,
+    b: int, topk: int, extra_topk: int, rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scheduler tensors clamped to what the kernels can address (device ops only, no sync).
+
+    Tensors made by the scheduler come back unchanged. Forged ones cannot make a kernel read or
+    write out of bounds or loop without end afterwards: requests stay in ``[0, b)``, blocks in
+    ``[0, ceil(topk/64) + ceil(extra_topk/64)]``, ``num_splits`` becomes a non-decreasing
+    sequence from 0 within ``[0, rows - 1]`` and split indices stay inside their batch's rows.
+    """
+    bs = 64
+    main_max = -(-topk // bs)
+    blk_max = main_max + (-(-extra_topk // bs))
+    mb = main_blocks.clamp(0, main_max)
+    nb = torch.maximum(num_blocks.clamp(0, blk_max), mb)
+    ns = num_splits.clamp(0, rows - 1)
+    ns = torch.cummax(ns, dim=0).values
+    ns = torch.cat([ns.new_zeros(1), ns[1:]])
+    md = metadata.clone()
+    md[:, 0] = metadata[:, 0].clamp(0, b)  # begin_req (b = idle)
+    md[:, 1] = metadata[:, 1].clamp(-1, b - 1)  # end_req
+    md[:, 2] = metadata[:, 2].clamp(0, blk_max)
+    md[:, 3] = metadata[:, 3].clamp(0, blk_max)
+    first = md[:, 0].clamp(max=b - 1).long()
+    n_first = (ns[first + 1] - ns[first]).clamp(min=1)
+    md[:, 4] = torch.minimum(metadata[:, 4].clamp(min=0), n_first - 1)  # begin_split
+    return md, ns, mb, nb
+
+
 # --------------------------------------------------------------------------------------------
 # sparse_mla::sparse_decode
 
@@ -95,8 +125,19 @@ def _sparse_decode_op(
         topk_length, extra_topk_length, strict_padding=False,
     )
     _check_sched_tensors(q, tile_scheduler_metadata, num_splits, main_blocks, num_blocks)
+    b = q.shape[0]
+    rows = b + int(tile_scheduler_metadata.shape[0])
+    extra_topk = 0 if extra_indices is None else extra_indices.shape[2]
+    bounded = _bounded_schedule(
+        tile_scheduler_metadata, num_splits, main_blocks, num_blocks, b, indices.shape[2], extra_topk, rows
+    )
     on_host = q.device.type == "cpu"
     if on_host:
+        # checkable without a sync: values the scheduler cannot have made are an error here
+        for name, t, ok in zip(("tile_scheduler_metadata", "num_splits", "main_blocks", "num_blocks"),
+                               (tile_scheduler_metadata, num_splits, main_blocks, num_blocks), bounded):
+            if not torch.equal(t, ok):
+                raise ValueError(f"{name}: values out of range for this call (use schedule_tensors() of a filled scheduler)")
         ns = num_splits.tolist()
         split = any(ns[i + 1] - ns[i] > 1 for i in range(len(ns) - 1))
         if split and not any_split:
@@ -105,14 +146,17 @@ def _sparse_decode_op(
         # cannot be checked without a host sync: a wrong False would let the kernel write split
         # rows past 1-row accumulators, so off the host the accumulators are always allocated
         any_split = True
+    # on the device the kernels get the bounded tensors: equal to the inputs when those came from
+    # the scheduler, and memory-safe when they did not
+    md, ns_t, mb, nb = bounded
     table = ScheduleTable(
         num_sm_parts=int(tile_scheduler_metadata.shape[0]),
-        metadata=tile_scheduler_metadata,
-        num_splits=num_splits,
-        main_blocks=main_blocks,
+        metadata=md,
+        num_splits=ns_t,
+        main_blocks=mb,
         num_blocks=num_blocks.tolist() if on_host else [],
         payload=0,
-        num_blocks_t=num_blocks,
+        num_blocks_t=nb,
         any_split=bool(any_split),
     )
     return run_sparse_decode(p, table)
@@ -136,6 +180,11 @@ def schedule_tensors(tile_scheduler_metadata: FlashMLASchedMeta) -> dict:
     Raises:
         ValueError: the object has not been filled yet (run one call first).
     """
+    if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
+        raise TypeError(
+            "tile_scheduler_metadata: expected the FlashMLASchedMeta from get_mla_metadata(), "
+            f"got {type(tile_scheduler_metadata).__name__}"
+        )
     t = tile_scheduler_metadata.table
     if not tile_scheduler_metadata.have_initialized or t is None:
         raise ValueError("tile_scheduler_metadata: not filled yet; call sparse_decode (or flash_mla_with_kvcache) once first")

@@ -45,7 +45,7 @@ def _abs_to_cache_kernel(
     phys = tl.load(bt_ptr + bi * stride_tb + lb * stride_tn, mask=cmask & ok, other=-1).to(tl.int64)
     ok = ok & (phys >= 0)
     res = phys * pbs + (t - lb * pbs)
-    res = tl.where(ok, res, -1)
+    res = tl.where(ok & (res <= 2147483647), res, -1)  # past int32 is no slot (must not wrap)
     tl.store(out_ptr + bi * stride_ob + si * stride_os + cols * stride_ot, res.to(tl.int32), mask=cmask)
 
 
@@ -67,7 +67,7 @@ def abs_indices_to_kvcache_indices_triton(
 
     Returns:
         ``[b, s_q, topk]`` int32 cache indices (``block * page_block_size + offset``), ``-1`` where
-        the position is negative, beyond the block table, or maps to a negative block.
+        the position is negative, beyond the block table, or maps to a negative block or past int32.
 
     Raises:
         TypeError / ValueError: wrong dtypes, shapes, devices, ``page_block_size`` or ``out``.
