@@ -321,3 +321,12 @@ def test_more_argument_errors():
     for bad in ("bf16", torch.int32, torch.float8_e4m3fn):
         with pytest.raises(TypeError, match="^dtype"):
             flash_mla.dequantize_k_cache(kc, "V32", dtype=bad)
+
+
+def test_meta_q_is_rejected_by_name():
+    q = torch.empty(1, 1, 16, 576, dtype=torch.bfloat16, device="meta")
+    kc = torch.empty(4, 16, 1, 656, dtype=torch.uint8, device="meta")
+    idx = torch.empty(1, 1, 64, dtype=torch.int32, device="meta")
+    meta, _ = flash_mla.get_mla_metadata()
+    with pytest.raises(ValueError, match="^q: expected a CPU or CUDA tensor"):
+        flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)

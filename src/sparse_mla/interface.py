@@ -157,6 +157,8 @@ def validate_sparse_decode(
     _check_tensor(q, "q", (torch.bfloat16,), 4)
     b, s_q, h_q, d_qk = q.shape
     dev = q.device
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"q: expected a CPU or CUDA tensor (others follow q's device), got one on {dev}")
     if d_qk not in (576, 512):
         raise ValueError(f"q: head dim d_qk must be 576 (V3.2 layout) or 512 (MODEL1 layout), got {d_qk}")
     if b < 1 or s_q < 1 or h_q < 1:

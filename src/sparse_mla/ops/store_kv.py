@@ -244,7 +244,7 @@ def quantize_and_store_kv(
             ``uint8``, 656 B/token (V32) or 584 (MODEL1, blocks padded to 576 B multiples); may be
             a strided view of a larger pool (its strides are honoured). Written in place.
         layout: optional ``"V32"``/``"MODEL1"``; when given it must agree with ``k_cache``.
-        block_t: tokens per Triton program (a power of two; default: 1 for small ``n``, else 4).
+        block_t: tokens per Triton program (a power of two <= 64; default: 1 for small ``n``, else 4).
         strict_padding: when False, also accept MODEL1 caches whose block stride is not padded to
             a multiple of 576 B (see :func:`check_store_args`).
 
@@ -258,8 +258,8 @@ def quantize_and_store_kv(
     n = kv.shape[0]
     if block_t is None:
         block_t = 1 if n < 1024 else 4
-    if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t < 1 or block_t & (block_t - 1):
-        raise ValueError(f"block_t: expected a power of two >= 1, got {block_t!r}")
+    if isinstance(block_t, bool) or not isinstance(block_t, int) or not 1 <= block_t <= 64 or block_t & (block_t - 1):
+        raise ValueError(f"block_t: expected a power of two in [1, 64], got {block_t!r}")
     if n == 0 or k_cache.numel() == 0:
         return
     if not _use_triton(k_cache.device):
