@@ -91,6 +91,22 @@ def _combine_kernel(
             tl.store(lse_ptr + req * stride_lb + heads * stride_lh + sq * stride_ls, lse, mask=hmask)
 
 
+def split_accumulators(
+    b: int, s_q: int, h_q: int, d_v: int, num_sm_parts: int, any_split: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 partial-result buffers the decode kernels write for split batches.
+
+    ``o_accum [b + num_sm_parts, s_q, h_q, d_v]`` and ``lse_accum [b + num_sm_parts, s_q, h_q]``
+    (at most one row per batch plus one per partition boundary); 1-element placeholders when no
+    batch is split (the kernels then never write them).
+    """
+    rows = b + num_sm_parts if any_split else 1
+    shape = (rows, s_q, h_q, d_v) if any_split else (1, 1, 1, 1)
+    o_acc = torch.empty(shape, dtype=torch.float32, device=device)
+    l_acc = torch.empty(shape[:3], dtype=torch.float32, device=device)
+    return o_acc, l_acc
+
+
 def combine_fwd(
     o_accum: torch.Tensor,
     lse_accum: torch.Tensor,

@@ -332,7 +332,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
     Returns:
         ``out [b, s_q, h_q, 512]`` bf16, ``lse [b, h_q, s_q]`` fp32.
     """
-    from .combine import combine_fwd
+    from .combine import combine_fwd, split_accumulators
 
     backend = _backend()
     if backend == "gluon" or (backend == "auto" and gluon_supported(p)):
@@ -356,14 +356,8 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
     # the kernels write fp32 and torch rounds once at the end (compiled kernels write bf16).
     out = torch.empty(b, s_q, h_q, p.d_v, dtype=torch.float32 if interp else torch.bfloat16, device=dev)
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=dev)
-    rows = b + table.num_sm_parts
     any_split = table.any_split
-    if any_split:
-        o_acc = torch.empty(rows, s_q, h_q, p.d_v, dtype=torch.float32, device=dev)
-        l_acc = torch.empty(rows, s_q, h_q, dtype=torch.float32, device=dev)
-    else:
-        o_acc = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=dev)
-        l_acc = torch.empty(1, 1, 1, dtype=torch.float32, device=dev)
+    o_acc, l_acc = split_accumulators(b, s_q, h_q, p.d_v, table.num_sm_parts, table.any_split, dev)
 
     def cache_args(kc):
         raw = kc if kc.dtype == torch.uint8 else kc.view(torch.uint8)

@@ -347,7 +347,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
     Raises:
         NotImplementedError: MODEL1 layout, extra cache, or h_q not a multiple of 64.
     """
-    from .combine import combine_fwd
+    from .combine import combine_fwd, split_accumulators
 
     if p.layout.name != "V32":
         raise NotImplementedError("gluon sparse decode: only the V32 (d_qk = 576) layout is implemented")
@@ -361,13 +361,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
     dev = q.device
     out = torch.empty(b, s_q, h_q, p.d_v, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=dev)
-    if table.any_split:
-        rows = b + table.num_sm_parts
-        o_acc = torch.empty(rows, s_q, h_q, p.d_v, dtype=torch.float32, device=dev)
-        l_acc = torch.empty(rows, s_q, h_q, dtype=torch.float32, device=dev)
-    else:
-        o_acc = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=dev)
-        l_acc = torch.empty(1, 1, 1, dtype=torch.float32, device=dev)
+    o_acc, l_acc = split_accumulators(b, s_q, h_q, p.d_v, table.num_sm_parts, table.any_split, dev)
     kc = p.k_cache
     raw = kc if kc.dtype == torch.uint8 else kc.view(torch.uint8)
     pbs = raw.shape[1]
