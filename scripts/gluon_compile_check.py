@@ -42,7 +42,8 @@ def compile_kernel(has_sink: bool, has_topk_len: bool, pbs_pow2: bool, pbs_log2:
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
     consts = dict(HAS_TOPK_LEN=has_topk_len, HAS_SINK=has_sink, PBS_POW2=pbs_pow2, PBS_LOG2=pbs_log2,
-                  PRODUCER_WARPS_=sdg.PRODUCER_WARPS, PRODUCER_REGS_=producer_regs)
+                  PRODUCER_WARPS_=sdg.PRODUCER_WARPS, PRODUCER_REGS_=producer_regs,
+                  PROFILE_=sdg.PROFILE)
     sig = {}
     for n in names:
         if n in PTRS:

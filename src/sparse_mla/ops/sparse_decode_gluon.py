@@ -8,13 +8,15 @@ batches, merged by :mod:`sparse_mla.ops.combine`).
 Structure of one CTA (one scheduler partition x one query token x 64 heads), FlashMLA-like:
 
 * **producer partition** (worker, ``PRODUCER_WARPS`` = 4 warps, ``PRODUCER_REGS`` registers): for every
-  64-index block of the partition's walk, waits for a free stage of a 2-stage smem ring, loads the
-  64 indices, gathers the 64 FP8 token records with 16-byte loads (512 NoPE bytes as 4 column
-  tiles of 128 B, the 4 power-of-two float32 scales, the 64 bf16 RoPE values), dequantises to
-  bf16 (fp8 -> bf16 is exact, and so is the product with a power-of-two scale) and stores the
-  ``[64, 576]`` bf16 K tile into the ring stage (128-B swizzled NVMMA layout, wgmma-ready), plus an
-  additive fp32 mask row (0 for a valid token, -inf otherwise). Invalid tokens are never loaded
-  (K row = 0). Then ``fence_async_shared`` and an mbarrier arrive on ``ready[stage]``.
+  64-index block of the partition's walk it takes the block's 64 indices (loaded one block ahead),
+  issues every gather of the block at once with 16-byte loads (the 512 NoPE bytes as one
+  ``[64, 4, 128]`` tile, the 4 power-of-two float32 scales as one load per token, the 64 bf16
+  RoPE values), only then waits for a free stage of the 2-stage smem ring, dequantises to bf16
+  (fp8 -> bf16 is exact, and so is the product with a power-of-two scale) and stores the
+  ``[64, 576]`` bf16 K tile into the stage with one store per part (128-B swizzled NVMMA layout,
+  wgmma-ready), plus an additive fp32 mask row (0 for a valid token, -inf otherwise). Invalid
+  tokens are never loaded (K row = 0). Then ``fence_async_shared`` and an mbarrier arrive on
+  ``ready[stage]``.
 * **consumer = default partition** (8 warps = 2 warpgroups): per request piece it stages
   ``Q [64, 576]`` bf16 in smem once; per block it waits ``ready[stage]``, computes
   ``S = Q Kᵀ [64, 64]`` with one wgmma whose accumulator layout is ``warps_per_cta = [4, 2]``: the
@@ -28,9 +30,11 @@ Structure of one CTA (one scheduler partition x one query token x 64 heads), Fla
 Shared memory (power-of-two shapes only, so Q and K are NoPE [.., 512] + RoPE [.., 64] allocations):
 Q 72 KiB + K ring 2 x 72 KiB + P 8 KiB + masks 512 B + barriers = 230,500 B as compiled (the
 H100/H200 opt-in limit is 232,448 B). Registers: ``maxnreg`` 168 for 12 warps (1 CTA/SM); the
-producer runs at ``PRODUCER_REGS`` (104), the consumer at what is left (200, ``setmaxnreg``).
-ptxas (sm_90a): ~100 B of spills, all outside the consumer's block loop (loop-invariant Q / epilogue
-addresses) plus a few in the producer; see ``scripts/gluon_compile_check.py``.
+producer runs at ``PRODUCER_REGS`` (128: one block's gathers in flight), the consumer at what is
+left (184, ``setmaxnreg``). ptxas (sm_90a): ~200 B of spills, nearly all outside the block loops
+(loop-invariant addresses; 1 store / 2 loads in the consumer's loop); see
+``scripts/gluon_compile_check.py``. Where the time goes (producer alone, consumer alone, ncu stall
+samples) is in ``docs/perf.md``; ``SPARSE_MLA_GLUON_PROFILE`` switches the profiling modes.
 
 Not supported in this prototype (``NotImplementedError``): MODEL1 layout, extra cache, h_q not a
 multiple of 64.
@@ -60,16 +64,21 @@ D_ROPE = gl.constexpr(64)
 D_QK = gl.constexpr(576)
 NUM_STAGES = gl.constexpr(2)
 CONSUMER_WARPS = 8
-PRODUCER_WARPS = 4
-PRODUCER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_PRODUCER_REGS", "104"))
+PRODUCER_WARPS = int(os.environ.get("SPARSE_MLA_GLUON_PRODUCER_WARPS", "4"))
+PRODUCER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_PRODUCER_REGS", "128"))
 MAXNREG = int(os.environ.get("SPARSE_MLA_GLUON_MAXNREG", "168"))
+# experiment knobs (benchmarks/gluon_variants.py): PROFILE 0 = normal; 1 = consumer skips its work
+# (producer alone); 2 = producer skips gathers/convert (consumer alone); 3 = producer gathers one
+# cache-resident token for every row (convert without HBM latency). Outputs are garbage for 1-3.
+PROFILE = int(os.environ.get("SPARSE_MLA_GLUON_PROFILE", "0"))
 
 
 # --------------------------------------------------------------------------------------------- producer
 @gluon.jit
-def _dequant(raw, sc):
-    """FP8 bytes [64, 128] x per-token power-of-two scale [64] -> bf16 (exact)."""
-    return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(sc, 1)).to(gl.bfloat16)
+def _load_block_indices(ibase, stride_it, pos0, n_valid, ROW8: gl.constexpr):
+    offs8 = pos0 + gl.arange(0, 64, layout=ROW8)
+    in8 = offs8 < n_valid
+    return gl.load(ibase + offs8 * stride_it, mask=in8, other=-1)
 
 
 @gluon.jit
@@ -79,17 +88,16 @@ def _producer(
     tl_ptr, meta_ptr, mainblk_ptr, nblk_ptr,
     k_smem, kr_smem, mask_smem, ready_bars, empty_bars,
     HAS_TOPK_LEN: gl.constexpr, PBS_POW2: gl.constexpr, PBS_LOG2: gl.constexpr,
+    PROFILE_: gl.constexpr,
 ):
     P_WARPS: gl.constexpr = gl.num_warps()
-    # [64 tokens, 128 bytes] per column tile: 16 contiguous bytes per thread (one 16-B load)
+    # rows (tokens) of a [64, 128]-byte tile: the layout the 64 indices are loaded and decoded in
     LD8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [P_WARPS, 1], [1, 0])
     # [64 tokens, 64 bf16] RoPE: 8 bf16 = 16 B per thread
     LDR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [P_WARPS, 1], [1, 0])
     ROW8: gl.constexpr = gl.SliceLayout(1, LD8)
     ROWR: gl.constexpr = gl.SliceLayout(1, LDR)
-    COL8: gl.constexpr = gl.SliceLayout(0, LD8)
     COLR: gl.constexpr = gl.SliceLayout(0, LDR)
-    MASK_L: gl.constexpr = gl.BlockedLayout([1], [32], [P_WARPS], [0])
 
     part = gl.program_id(0)
     sq = gl.program_id(1)
@@ -99,8 +107,13 @@ def _producer(
     begin_block = gl.load(mrow + 2)
     end_block = gl.load(mrow + 3)
 
-    cols8 = gl.arange(0, 128, layout=COL8)
     colsr = gl.arange(0, D_ROPE, layout=COLR)
+    # NoPE bytes as [64 tokens, 4 column tiles, 128 bytes]: 16 contiguous bytes per thread
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [4, 1, 8], [P_WARPS, 1, 1], [2, 1, 0])
+    L3S: gl.constexpr = gl.SliceLayout(2, L3)
+    ROW3: gl.constexpr = gl.SliceLayout(1, L3S)
+    t3 = gl.arange(0, 4, layout=gl.SliceLayout(0, L3S))
+    c3 = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     it = 0
     req = begin_req
     while req <= end_req:
@@ -111,56 +124,61 @@ def _producer(
         if HAS_TOPK_LEN:
             n_valid = gl.minimum(gl.load(tl_ptr + req), topk)
         ibase = idx_ptr + req.to(gl.int64) * stride_ib + sq * stride_is
+        # the first block's indices; every iteration then loads the next block's (prefetch)
+        idx_next = _load_block_indices(ibase, stride_it, blk0 * 64, n_valid, ROW8)
         for blk in range(blk0, blk1):
             stage = it % 2
             phase = (it // 2) & 1
             pos0 = blk * 64
-            # indices, once per layout family (tiny, L1/L2 resident)
-            offs8 = pos0 + gl.arange(0, 64, layout=ROW8)
-            in8 = offs8 < n_valid
-            idx8 = gl.load(ibase + offs8 * stride_it, mask=in8, other=-1)
-            v8 = in8 & (idx8 >= 0) & (idx8 < num_tokens)
-            s8 = gl.where(v8, idx8, 0)
-            if PBS_POW2:
-                b8 = s8 >> PBS_LOG2
-                o8 = s8 & (pbs - 1)
+            if PROFILE_ == 2:
+                mbarrier.wait(empty_bars.index(stage), phase ^ 1)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(ready_bars.index(stage), count=1)
             else:
-                b8 = s8 // pbs
-                o8 = s8 - b8 * pbs
-            tok8 = b8.to(gl.int64) * stride_blk + o8.to(gl.int64) * stride_tok
-            tok8 = gl.multiple_of(tok8, 16)
-            tokr = gl.convert_layout(tok8, ROWR)
-            vr = gl.convert_layout(v8, ROWR)
-            # two halves of 256 NoPE bytes (+ scales); the first half's loads are issued before the
-            # wait for a free stage, the second half's (with the RoPE part) after the first stores
-            m8 = gl.expand_dims(v8, 1)
-            p8 = kv_ptr + gl.expand_dims(tok8, 1) + gl.expand_dims(cols8, 0)
-            sptr = (kv_ptr + tok8 + D_NOPE).to(gl.pointer_type(gl.float32))
-            raw0 = gl.load(p8 + 0, mask=m8, other=0)
-            raw1 = gl.load(p8 + 128, mask=m8, other=0)
-            sc0 = gl.load(sptr + 0, mask=v8, other=0.0)
-            sc1 = gl.load(sptr + 1, mask=v8, other=0.0)
-            vmask = gl.where(gl.convert_layout(v8, MASK_L), 0.0, float("-inf"))
-
-            # wait for the consumer to free this stage (first lap passes: phase starts at 1)
-            mbarrier.wait(empty_bars.index(stage), phase ^ 1)
-            kbuf = k_smem.index(stage)
-            kbuf.slice(0, 128, dim=1).store(_dequant(raw0, sc0))
-            kbuf.slice(128, 128, dim=1).store(_dequant(raw1, sc1))
-            raw2 = gl.load(p8 + 256, mask=m8, other=0)
-            raw3 = gl.load(p8 + 384, mask=m8, other=0)
-            sc2 = gl.load(sptr + 2, mask=v8, other=0.0)
-            sc3 = gl.load(sptr + 3, mask=v8, other=0.0)
-            rptr = (kv_ptr + gl.expand_dims(tokr, 1) + D_NOPE + 16).to(gl.pointer_type(gl.bfloat16))
-            rope = gl.load(rptr + gl.expand_dims(colsr, 0), mask=gl.expand_dims(vr, 1), other=0.0)
-            kbuf.slice(256, 128, dim=1).store(_dequant(raw2, sc2))
-            kbuf.slice(384, 128, dim=1).store(_dequant(raw3, sc3))
-            kr_smem.index(stage).store(rope)
-            mask_smem.index(stage).store(vmask)
-            # make the generic-proxy stores visible to wgmma (async proxy), then signal
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(ready_bars.index(stage), count=1)
+                offs8 = pos0 + gl.arange(0, 64, layout=ROW8)
+                in8 = offs8 < n_valid
+                idx8 = idx_next
+                idx_next = _load_block_indices(ibase, stride_it, pos0 + 64, gl.minimum(n_valid, blk1 * 64), ROW8)
+                v8 = in8 & (idx8 >= 0) & (idx8 < num_tokens)
+                s8 = gl.where(v8, idx8, 0)
+                if PROFILE_ == 3:
+                    s8 = s8 * 0
+                if PBS_POW2:
+                    b8 = s8 >> PBS_LOG2
+                    o8 = s8 & (pbs - 1)
+                else:
+                    b8 = s8 // pbs
+                    o8 = s8 - b8 * pbs
+                tok8 = b8.to(gl.int64) * stride_blk + o8.to(gl.int64) * stride_tok
+                tok8 = gl.multiple_of(tok8, 16)
+                tokr = gl.convert_layout(tok8, ROWR)
+                vr = gl.convert_layout(v8, ROWR)
+                rptr = (kv_ptr + gl.expand_dims(tokr, 1) + D_NOPE + 16).to(gl.pointer_type(gl.bfloat16))
+                vmask = gl.where(v8, 0.0, float("-inf"))
+                tok3 = gl.convert_layout(tok8, ROW3)
+                v3 = gl.convert_layout(v8, ROW3)
+                # every gather of the block is in flight before the wait for a free stage: the 512
+                # NoPE bytes as one [64, 4, 128] tile (16-byte loads), the 4 scales as one 16-byte
+                # load per token, the 64 bf16 RoPE values (PRODUCER_REGS = 128 holds them)
+                p3 = (kv_ptr + gl.expand_dims(gl.expand_dims(tok3, 1), 2)
+                      + gl.expand_dims(gl.expand_dims(t3, 0), 2) * 128 + gl.expand_dims(gl.expand_dims(c3, 0), 1))
+                raw = gl.load(p3, mask=gl.expand_dims(gl.expand_dims(v3, 1), 2), other=0)
+                sp = (kv_ptr + gl.expand_dims(tok3, 1) + D_NOPE).to(gl.pointer_type(gl.float32))
+                sc = gl.load(sp + gl.expand_dims(t3, 0), mask=gl.expand_dims(v3, 1), other=0.0)
+                rope = gl.load(rptr + gl.expand_dims(colsr, 0), mask=gl.expand_dims(vr, 1), other=0.0)
+                # wait for the consumer to free this stage (first lap passes: phase starts at 1)
+                mbarrier.wait(empty_bars.index(stage), phase ^ 1)
+                # fp8 -> bf16 is exact, and so is the product with a power-of-two scale; one smem
+                # store for the whole NoPE tile (separate column-slice stores each cost a barrier)
+                kv = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
+                k_smem.index(stage).store(gl.reshape(kv, [64, D_NOPE]))
+                kr_smem.index(stage).store(rope)
+                mask_smem.index(stage).store(vmask)
+                # make the generic-proxy stores visible to wgmma (async proxy), then signal
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(ready_bars.index(stage), count=1)
             it += 1
         req += 1
 
@@ -176,7 +194,7 @@ def _consumer(
     lacc_ptr, stride_lr, stride_lsq,
     scale_log2,
     q_smem, qr_smem, k_smem, kr_smem, p_smem, mask_smem, ready_bars, empty_bars,
-    HAS_SINK: gl.constexpr,
+    HAS_SINK: gl.constexpr, PROFILE_: gl.constexpr,
 ):
     NW: gl.constexpr = gl.num_warps()
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4], instr_shape=[16, 32, 16])
@@ -231,27 +249,31 @@ def _consumer(
             stage = it % 2
             phase = (it // 2) & 1
             mbarrier.wait(ready_bars.index(stage), phase)
-            kbuf = k_smem.index(stage)
-            s = warpgroup_mma(q_smem, kbuf.permute([1, 0]), gl.zeros([64, 64], gl.float32, S_L), use_acc=False)
-            s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute([1, 0]), s)
-            bias = mask_smem.index(stage).load(SCOL)
-            s = s * scale_log2 + gl.expand_dims(bias, 0)
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, OROW), 1)
-            # every warp of both warpgroups must be done reading the previous P (membar also guards this)
-            gl.thread_barrier()
-            p_smem.store(p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = warpgroup_mma(p_smem, kbuf, acc)
-            # both warpgroups finished their PV wgmma on this stage -> release it to the producer
-            gl.thread_barrier()
-            mbarrier.arrive(empty_bars.index(stage), count=1)
+            if PROFILE_ == 1:
+                gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(stage), count=1)
+            else:
+                kbuf = k_smem.index(stage)
+                s = warpgroup_mma(q_smem, kbuf.permute([1, 0]), gl.zeros([64, 64], gl.float32, S_L), use_acc=False)
+                s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute([1, 0]), s)
+                bias = mask_smem.index(stage).load(SCOL)
+                s = s * scale_log2 + gl.expand_dims(bias, 0)
+                m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, OROW), 1)
+                # the previous block's PV (the last reader of P) completed before that block's final
+                # barrier, so P can be overwritten without another barrier here
+                p_smem.store(p.to(gl.bfloat16))
+                fence_async_shared()
+                gl.thread_barrier()
+                acc = warpgroup_mma(p_smem, kbuf, acc)
+                # both warpgroups finished their PV wgmma on this stage -> release it to the producer
+                gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(stage), count=1)
             it += 1
 
         # epilogue (same formulas as the tl kernel)
@@ -295,6 +317,7 @@ def _sparse_decode_gluon_kernel(
     scale_log2,
     HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr, PBS_POW2: gl.constexpr, PBS_LOG2: gl.constexpr,
     PRODUCER_WARPS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
+    PROFILE_: gl.constexpr,
 ):
     SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # power-of-two shapes only: Q and K are kept as NoPE [.., 512] + RoPE [.., 64] tiles
@@ -321,14 +344,14 @@ def _sparse_decode_gluon_kernel(
             lacc_ptr, stride_lr, stride_lsq,
             scale_log2,
             q_smem, qr_smem, k_smem, kr_smem, p_smem, mask_smem, ready_bars, empty_bars,
-            HAS_SINK,
+            HAS_SINK, PROFILE_,
         )),
         (_producer, (
             kv_ptr, stride_blk, stride_tok, num_tokens, pbs,
             idx_ptr, stride_ib, stride_is, stride_it, topk,
             tl_ptr, meta_ptr, mainblk_ptr, nblk_ptr,
             k_smem, kr_smem, mask_smem, ready_bars, empty_bars,
-            HAS_TOPK_LEN, PBS_POW2, PBS_LOG2,
+            HAS_TOPK_LEN, PBS_POW2, PBS_LOG2, PROFILE_,
         )),
     ], [PRODUCER_WARPS_], [PRODUCER_REGS_])
 
@@ -384,6 +407,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
         HAS_TOPK_LEN=p.topk_length is not None, HAS_SINK=p.attn_sink is not None,
         PBS_POW2=pow2, PBS_LOG2=pbs.bit_length() - 1 if pow2 else 0,
         PRODUCER_WARPS_=PRODUCER_WARPS, PRODUCER_REGS_=PRODUCER_REGS,
+        PROFILE_=PROFILE,
         num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
     )
     if table.any_split:
