@@ -71,6 +71,9 @@ MAXNREG = int(os.environ.get("SPARSE_MLA_GLUON_MAXNREG", "168"))
 # (producer alone); 2 = producer skips gathers/convert (consumer alone); 3 = producer gathers one
 # cache-resident token for every row (convert without HBM latency). Outputs are garbage for 1-3.
 PROFILE = int(os.environ.get("SPARSE_MLA_GLUON_PROFILE", "0"))
+# producer register layouts: 8 token rows x 4 threads per warp, 16 bytes per thread. With 4 rows x 8
+# threads the stores into the 128-B swizzled K tile took 1.7x the ideal smem wavefronts (ncu)
+TPW_ROWS = gl.constexpr(8)
 
 
 # --------------------------------------------------------------------------------------------- producer
@@ -92,9 +95,9 @@ def _producer(
 ):
     P_WARPS: gl.constexpr = gl.num_warps()
     # rows (tokens) of a [64, 128]-byte tile: the layout the 64 indices are loaded and decoded in
-    LD8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [P_WARPS, 1], [1, 0])
+    LD8: gl.constexpr = gl.BlockedLayout([1, 16], [TPW_ROWS, 32 // TPW_ROWS], [P_WARPS, 1], [1, 0])
     # [64 tokens, 64 bf16] RoPE: 8 bf16 = 16 B per thread
-    LDR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [P_WARPS, 1], [1, 0])
+    LDR: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_ROWS, 32 // TPW_ROWS], [P_WARPS, 1], [1, 0])
     ROW8: gl.constexpr = gl.SliceLayout(1, LD8)
     ROWR: gl.constexpr = gl.SliceLayout(1, LDR)
     COLR: gl.constexpr = gl.SliceLayout(0, LDR)
@@ -109,7 +112,7 @@ def _producer(
 
     colsr = gl.arange(0, D_ROPE, layout=COLR)
     # NoPE bytes as [64 tokens, 4 column tiles, 128 bytes]: 16 contiguous bytes per thread
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [4, 1, 8], [P_WARPS, 1, 1], [2, 1, 0])
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [TPW_ROWS, 1, 32 // TPW_ROWS], [P_WARPS, 1, 1], [2, 1, 0])
     L3S: gl.constexpr = gl.SliceLayout(2, L3)
     ROW3: gl.constexpr = gl.SliceLayout(1, L3S)
     t3 = gl.arange(0, 4, layout=gl.SliceLayout(0, L3S))
