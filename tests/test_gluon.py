@@ -104,6 +104,16 @@ def test_matches_reference(b, s_q, h_q, sched):
     check(q, kc, idx, num_sms, expect_split=False if sched == "unsplit" else None, **kw)
 
 
+@pytest.mark.parametrize("h_q", [16, 32, 96])
+@pytest.mark.parametrize("sched", ["device", "unsplit"])
+def test_partial_head_tile(h_q, sched):
+    # tensor-parallel slices: the last 64-head tile has rows past h_q (zero queries, never stored)
+    q, kc, idx, kw = make_case(4, 2, h_q, seed=h_q + 1, topk_length=[2048, 64, 700, 0], sink=True)
+    num_sms = 2 * -(-h_q // 64) if sched == "unsplit" else None
+    out, lse = check(q, kc, idx, num_sms, expect_split=False if sched == "unsplit" else None, **kw)
+    assert out.shape == (4, 2, h_q, 512) and lse.shape == (4, h_q, 2)
+
+
 @pytest.mark.parametrize("num_sms", [None, 16, 2])
 def test_topk_length_sink_nan(num_sms):
     b, s_q, h_q = 4, 2, 128
@@ -140,10 +150,12 @@ def test_odd_page_block_size():
 def test_unsupported_raises():
     from sparse_mla.ops.sparse_decode_gluon import sparse_decode_fwd
 
-    q, kc, idx, _ = make_case(1, 1, 64, topk=64, seed=1)
-    q32 = torch.randn(1, 1, 32, 576, device=DEV).to(torch.bfloat16)
+    k = torch.randn(8, 64, 1, 512, device=DEV).to(torch.bfloat16)
+    kc = quantize_k_cache(k, "MODEL1")
+    q = torch.randn(1, 1, 64, 512, device=DEV).to(torch.bfloat16)
+    idx = torch.randint(0, 8 * 64, (1, 1, 64), device=DEV, dtype=torch.int32)
     meta, _ = flash_mla.get_mla_metadata()
-    p = validate_sparse_decode(q32, kc, 512, idx, None, True)
+    p = validate_sparse_decode(q, kc, 512, idx, None, True)
     with pytest.raises(NotImplementedError):
         sparse_decode_fwd(p, _ensure_schedule(meta, p))
 

@@ -305,7 +305,7 @@ def _backend() -> str:
 
 def gluon_supported(p: DecodeProblem) -> bool:
     """Whether the warp-specialised Hopper kernel (:mod:`.sparse_decode_gluon`) serves this call:
-    compiled (not interpreted) on an sm_90 GPU, V32 layout, no extra cache, h_q a multiple of 64."""
+    compiled (not interpreted) on an sm_90 GPU, V32 layout, no extra cache (any h_q)."""
     dev = p.q.device
     return (
         dev.type == "cuda"
@@ -313,7 +313,6 @@ def gluon_supported(p: DecodeProblem) -> bool:
         and torch.cuda.get_device_capability(dev)[0] == 9
         and p.layout.name == "V32"
         and p.extra_k_cache is None
-        and p.q.shape[2] % 64 == 0
     )
 
 
@@ -338,8 +337,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
     if backend == "gluon" or (backend == "auto" and gluon_supported(p)):
         if not gluon_supported(p):
             raise NotImplementedError(
-                "SPARSE_MLA_BACKEND=gluon: the Gluon kernel needs an sm_90 GPU, the V32 layout, no extra cache "
-                "and h_q a multiple of 64"
+                "SPARSE_MLA_BACKEND=gluon: the Gluon kernel needs an sm_90 GPU, the V32 layout and no extra cache"
             )
         from .sparse_decode_gluon import sparse_decode_fwd as gluon_fwd
 

@@ -36,8 +36,9 @@ left (184, ``setmaxnreg``). ptxas (sm_90a): ~200 B of spills, nearly all outside
 ``scripts/gluon_compile_check.py``. Where the time goes (producer alone, consumer alone, ncu stall
 samples) is in ``docs/perf.md``; ``SPARSE_MLA_GLUON_PROFILE`` switches the profiling modes.
 
-Not supported in this prototype (``NotImplementedError``): MODEL1 layout, extra cache, h_q not a
-multiple of 64.
+h_q that is not a multiple of 64 (e.g. 16 or 32 heads of a tensor-parallel slice) runs in 64-head
+tiles whose rows past h_q are zero queries that are never stored. Not supported in this prototype
+(``NotImplementedError``): MODEL1 layout, extra cache.
 """
 from __future__ import annotations
 
@@ -195,7 +196,7 @@ def _consumer(
     lse_ptr, stride_lb, stride_lh, stride_ls,
     oacc_ptr, stride_ar, stride_as, stride_ah,
     lacc_ptr, stride_lr, stride_lsq,
-    scale_log2,
+    scale_log2, h_q,
     q_smem, qr_smem, k_smem, kr_smem, p_smem, mask_smem, ready_bars, empty_bars,
     HAS_SINK: gl.constexpr, PROFILE_: gl.constexpr,
 ):
@@ -218,13 +219,17 @@ def _consumer(
     end_block = gl.load(mrow + 3)
     begin_split = gl.load(mrow + 4)
 
+    # h_q not a multiple of 64: the last tile's rows past h_q are zero queries, never stored
     heads_s = hb * 64 + gl.arange(0, 64, layout=SROW)
     heads_o = hb * 64 + gl.arange(0, 64, layout=OROW)
+    hmask_s = heads_s < h_q
+    hmask_o = gl.expand_dims(heads_o < h_q, 1)
     cols_o = gl.arange(0, D_NOPE, layout=OCOL)
     qr = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
     qc = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    qmask = gl.expand_dims(qr < h_q, 1)
     if HAS_SINK:
-        sink_log2 = gl.load(sink_ptr + heads_s) * 1.4426950408889634
+        sink_log2 = gl.load(sink_ptr + heads_s, mask=hmask_s, other=0.0) * 1.4426950408889634
 
     it = 0
     req = begin_req
@@ -240,8 +245,8 @@ def _consumer(
         qbase = q_ptr + req.to(gl.int64) * stride_qb + sq * stride_qs
         qrow = qbase + gl.expand_dims(qr.to(gl.int64) * stride_qh, 1) + gl.expand_dims(qc, 0)
         for c in gl.static_range(D_NOPE // 64):
-            q_smem.slice(c * 64, 64, dim=1).store(gl.load(qrow + c * 64))
-        qr_smem.store(gl.load(qrow + D_NOPE))
+            q_smem.slice(c * 64, 64, dim=1).store(gl.load(qrow + c * 64, mask=qmask, other=0.0))
+        qr_smem.store(gl.load(qrow + D_NOPE, mask=qmask, other=0.0))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -292,16 +297,16 @@ def _consumer(
             o = acc * gl.expand_dims(gl.convert_layout(scale_row, OROW), 1)
             optr = (out_ptr + req.to(gl.int64) * stride_ob + sq * stride_os
                     + gl.expand_dims(heads_o * stride_oh, 1) + gl.expand_dims(cols_o, 0))
-            gl.store(optr, o.to(gl.bfloat16))
+            gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
             lse = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
-            gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse)
+            gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse, mask=hmask_s)
         else:
             row = (split_base + split).to(gl.int64)
             o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, OROW), 1)
             aptr = (oacc_ptr + row * stride_ar + sq * stride_as
                     + gl.expand_dims(heads_o * stride_ah, 1) + gl.expand_dims(cols_o, 0))
-            gl.store(aptr, o)
-            gl.store(lacc_ptr + row * stride_lr + sq * stride_lsq + heads_s, lse2)
+            gl.store(aptr, o, mask=hmask_o)
+            gl.store(lacc_ptr + row * stride_lr + sq * stride_lsq + heads_s, lse2, mask=hmask_s)
         req += 1
 
 
@@ -317,7 +322,7 @@ def _sparse_decode_gluon_kernel(
     lse_ptr, stride_lb, stride_lh, stride_ls,
     oacc_ptr, stride_ar, stride_as, stride_ah,
     lacc_ptr, stride_lr, stride_lsq,
-    scale_log2,
+    scale_log2, h_q,
     HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr, PBS_POW2: gl.constexpr, PBS_LOG2: gl.constexpr,
     PRODUCER_WARPS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
     PROFILE_: gl.constexpr,
@@ -345,7 +350,7 @@ def _sparse_decode_gluon_kernel(
             lse_ptr, stride_lb, stride_lh, stride_ls,
             oacc_ptr, stride_ar, stride_as, stride_ah,
             lacc_ptr, stride_lr, stride_lsq,
-            scale_log2,
+            scale_log2, h_q,
             q_smem, qr_smem, k_smem, kr_smem, p_smem, mask_smem, ready_bars, empty_bars,
             HAS_SINK, PROFILE_,
         )),
@@ -361,8 +366,8 @@ def _sparse_decode_gluon_kernel(
 
 # --------------------------------------------------------------------------------------------- launcher
 def supported(p: DecodeProblem) -> bool:
-    """Whether this prototype handles ``p`` (V32 layout, no extra cache, h_q a multiple of 64)."""
-    return p.layout.name == "V32" and p.extra_k_cache is None and p.q.shape[2] % BLOCK_H == 0
+    """Whether this kernel handles ``p`` (V32 layout, no extra cache; any h_q, in 64-head tiles)."""
+    return p.layout.name == "V32" and p.extra_k_cache is None
 
 
 def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,7 +376,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
     Same contract as :func:`sparse_mla.ops.sparse_decode.sparse_decode_fwd`.
 
     Raises:
-        NotImplementedError: MODEL1 layout, extra cache, or h_q not a multiple of 64.
+        NotImplementedError: MODEL1 layout or extra cache.
     """
     from .combine import combine_fwd, split_accumulators
 
@@ -381,8 +386,6 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
         raise NotImplementedError("gluon sparse decode: extra_k_cache is not implemented in this prototype")
     q = p.q
     b, s_q, h_q, _ = q.shape
-    if h_q % BLOCK_H:
-        raise NotImplementedError(f"gluon sparse decode: h_q must be a multiple of 64, got {h_q}")
     assert TOPK_BLOCK_SIZE == BLOCK_N
     dev = q.device
     out = torch.empty(b, s_q, h_q, p.d_v, dtype=torch.bfloat16, device=dev)
@@ -394,7 +397,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
     pow2 = pbs & (pbs - 1) == 0
     num_tokens = raw.shape[0] * pbs
     dummy_i32 = table.num_splits
-    grid = (table.num_sm_parts, s_q, h_q // BLOCK_H)
+    grid = (table.num_sm_parts, s_q, -(-h_q // BLOCK_H))
     _sparse_decode_gluon_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
         raw, raw.stride(0), raw.stride(1), num_tokens, pbs,
@@ -406,7 +409,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
         lse, lse.stride(0), lse.stride(1), lse.stride(2),
         o_acc, o_acc.stride(0), o_acc.stride(1), o_acc.stride(2),
         l_acc, l_acc.stride(0), l_acc.stride(1),
-        p.sm_scale * LOG2E,
+        p.sm_scale * LOG2E, h_q,
         HAS_TOPK_LEN=p.topk_length is not None, HAS_SINK=p.attn_sink is not None,
         PBS_POW2=pow2, PBS_LOG2=pbs.bit_length() - 1 if pow2 else 0,
         PRODUCER_WARPS_=PRODUCER_WARPS, PRODUCER_REGS_=PRODUCER_REGS,
