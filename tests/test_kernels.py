@@ -145,7 +145,8 @@ def test_batch_permutation_is_bit_exact():
     assert torch.equal(out2, out[perm]) and torch.equal(lse2, lse[:, :][perm])
 
 
-def test_combine_kernel_matches_reference():
+@pytest.mark.parametrize("blocks", [None, (4, 64)])  # default tile, and the small-batch tile
+def test_combine_kernel_matches_reference(blocks):
     from sparse_mla.ops.combine import combine_fwd
 
     g = torch.Generator().manual_seed(4)
@@ -167,7 +168,7 @@ def test_combine_kernel_matches_reference():
             combine_reference(o_acc, l_acc, num_splits, out, lse, sink)
         else:
             out, lse = out.to(dev), lse.to(dev)
-            combine_fwd(o_acc.to(dev), l_acc.to(dev), num_splits.to(dev), out, lse, sink.to(dev))
+            combine_fwd(o_acc.to(dev), l_acc.to(dev), num_splits.to(dev), out, lse, sink.to(dev), blocks=blocks)
         outs.append((out.cpu(), lse.cpu()))
     (ro, rl), (ko, kl) = outs
     assert (ko[0] == 7.0).all() and (kl[0] == 7.0).all()  # single-split batch untouched
