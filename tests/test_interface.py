@@ -281,6 +281,16 @@ def test_validation_flags(good):
     _raises(ValueError, "^softmax_scale", good, softmax_scale=INF)
 
 
+def test_numpy_scalars_accepted(good):
+    # callers often pass numpy scalars (config values): same result as the Python numbers
+    import numpy as np
+
+    out, lse = call(good, softmax_scale=0.05)
+    out2, lse2 = call(good, softmax_scale=np.float32(0.05), head_dim_v=np.int64(512))
+    torch.testing.assert_close(out2.float(), out.float(), rtol=1e-6, atol=1e-6)
+    _raises(ValueError, "^head_dim_v", good, head_dim_v=np.int64(576))
+
+
 def test_validation_tile_scheduler_metadata(good):
     with pytest.raises(TypeError, match="^tile_scheduler_metadata"):
         flash_mla.flash_mla_with_kvcache(good.q, good.k_cache, None, None, 512, None,

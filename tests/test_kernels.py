@@ -145,6 +145,17 @@ def test_batch_permutation_is_bit_exact():
     assert torch.equal(out2, out[perm]) and torch.equal(lse2, lse[:, :][perm])
 
 
+def test_combine_blocks_validated():
+    from sparse_mla.ops.combine import combine_fwd
+
+    o_acc, l_acc = torch.zeros(3, 1, 16, 512, device=DEVICE), torch.zeros(3, 1, 16, device=DEVICE)
+    out, lse = torch.zeros(2, 1, 16, 512, device=DEVICE), torch.zeros(2, 16, 1, device=DEVICE)
+    ns = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
+    for bad in [(3, 64), (16, 100), (0, 64), (-16, 64), (16, 128.0), (16,), [16, 64]]:
+        with pytest.raises(ValueError, match="^blocks"):
+            combine_fwd(o_acc, l_acc, ns, out, lse, blocks=bad)
+
+
 @pytest.mark.parametrize("blocks", [None, (4, 64)])  # default tile, and the small-batch tile
 def test_combine_kernel_matches_reference(blocks):
     from sparse_mla.ops.combine import combine_fwd

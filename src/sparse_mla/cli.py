@@ -444,7 +444,9 @@ def _pick_device(choice: str) -> "torch.device":
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if choice == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("sparse-mla: error: --device cuda, but torch.cuda.is_available() is False")
+        # exit status 2: kernels unavailable (the README's contract for the demo)
+        print("sparse-mla: error: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
+        raise SystemExit(2)
     return torch.device(choice)
 
 

@@ -14,6 +14,8 @@ which therefore do no host-device synchronisation (CUDA-graph safe).
 """
 from __future__ import annotations
 
+import numbers
+
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -166,7 +168,7 @@ def validate_sparse_decode(
     if h_q > 128:
         raise ValueError(f"q: h_q must be <= 128 (one KV head serves at most 128 query heads), got {h_q}")
     lay = get_layout(d_qk)
-    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int) or head_dim_v != lay.d_v:
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral) or head_dim_v != lay.d_v:
         raise ValueError(f"head_dim_v: expected {lay.d_v}, got {head_dim_v!r}")
     if not is_fp8_kvcache:
         raise ValueError("is_fp8_kvcache: the sparse decode (indices given) needs an FP8 cache; pass is_fp8_kvcache=True")
@@ -175,7 +177,7 @@ def validate_sparse_decode(
     if softmax_scale is None:
         sm_scale = d_qk ** -0.5
     else:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
         sm_scale = float(softmax_scale)
         if not (sm_scale > 0 and sm_scale < float("inf")):

@@ -136,6 +136,11 @@ def combine_fwd(
 ) -> None:
     """Merge split partial results into ``out``/``lse`` in place (twin: ``reference.combine_reference``).
 
+    Raises:
+        ValueError: ``blocks`` not two powers of two with BLOCK_D dividing d_v, or d_v not a
+            multiple of the tile.
+        RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
+
     Args:
         o_accum: ``[rows, s_q, h_q, d_v]`` fp32 partial outputs.
         lse_accum: ``[rows, s_q, h_q]`` fp32 log2-space partial LSEs.
@@ -147,6 +152,15 @@ def combine_fwd(
             default: chosen from the problem size and the GPU (:func:`_combine_blocks`).
     """
     b, s_q, h_q, d_v = out.shape
+    if not out.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError("combine_fwd: needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors "
+                           "(reference.combine_reference is the PyTorch twin)")
+    if blocks is not None:
+        ok = (isinstance(blocks, tuple) and len(blocks) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0 for v in blocks))
+        if not ok or d_v % blocks[1]:
+            raise ValueError(f"blocks: expected (BLOCK_H, BLOCK_D), powers of two >= 1 with BLOCK_D dividing "
+                             f"d_v={d_v}, got {blocks!r}")
     block_h, block_d = blocks if blocks is not None else _combine_blocks(b, s_q, h_q, d_v, out.device)
     if d_v % block_d:
         raise ValueError(f"out: d_v must be a multiple of {block_d}, got {d_v}")
