@@ -65,7 +65,7 @@ D_ROPE = gl.constexpr(64)
 D_QK = gl.constexpr(576)
 NUM_STAGES = gl.constexpr(2)
 CONSUMER_WARPS = 8
-PRODUCER_WARPS = int(os.environ.get("SPARSE_MLA_GLUON_PRODUCER_WARPS", "4"))
+PRODUCER_WARPS = 4  # 8 (two producer warpgroups) does not fit: ptxas wants >= 154 registers per thread at 16 warps
 PRODUCER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_PRODUCER_REGS", "128"))
 MAXNREG = int(os.environ.get("SPARSE_MLA_GLUON_MAXNREG", "168"))
 # experiment knobs (benchmarks/gluon_variants.py): PROFILE 0 = normal; 1 = consumer skips its work
