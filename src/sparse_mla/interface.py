@@ -15,7 +15,6 @@ which therefore do no host-device synchronisation (CUDA-graph safe).
 from __future__ import annotations
 
 import numbers
-
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
