@@ -3,10 +3,28 @@
 # kernel in tests/test_gluon.py, the serving path in tests/test_serving_gpu.py), then the decode
 # benchmark, the store benchmark and serve-sim at DeepSeek-V3.2 size. Run on the device from the
 # repo root; logs go to $OUT (or ./gpu_out). Extra arguments go to pytest.
+#
+#   scripts/gpu_check.sh --memcheck [pytest args]
+#     instead runs the small-shape kernel tests (every kernel, the view and corner cases of
+#     tests/test_contract_edges.py included) under `compute-sanitizer --tool memcheck`, with
+#     PyTorch's caching allocator off so that an access past a tensor is past its allocation;
+#     fails on any memcheck error. Log: $OUT/memcheck.log.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+if [ "${1:-}" = "--memcheck" ]; then
+    shift
+    # small shapes only: memcheck slows every kernel by 10-100x
+    tests=(tests/test_contract_edges.py tests/test_kernels.py tests/test_store_kv.py tests/test_index_convert.py
+           tests/test_library.py "tests/test_gluon.py::test_partial_head_tile" "tests/test_gluon.py::test_topk_length_sink_nan"
+           "tests/test_gluon.py::test_lonely_rows_all_invalid" "tests/test_gluon.py::test_odd_page_block_size")
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+        python3 -m pytest -q -p no:cacheprovider -p no:xdist "${tests[@]}" "${@}" 2>&1 | tee "$OUT/memcheck.log" | tail -25
+    status=${PIPESTATUS[0]}
+    grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | tail -1
+    exit "$status"
+fi
 python3 -m pytest -q -p no:cacheprovider tests/ "${@}" 2>&1 | tee "$OUT/pytest.log" | tail -25
 status=${PIPESTATUS[0]}
 python3 benchmarks/bench_decode.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"

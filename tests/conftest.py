@@ -1,5 +1,12 @@
-"""pytest configuration: make ``tests/helpers.py`` importable as ``helpers`` in every import mode,
-and skip ``@pytest.mark.gpu`` tests when CUDA is absent."""
+"""pytest configuration.
+
+* Without CUDA, the kernels run under Triton's interpreter: ``TRITON_INTERPRET=1`` is set here,
+  before anything imports Triton (Triton reads it when a kernel is defined), so plain
+  ``python -m pytest`` tests the kernels on a CPU too. An explicit ``TRITON_INTERPRET=0`` is
+  respected (the kernel tests then skip, and the report header says so).
+* ``tests/helpers.py`` is importable as ``helpers`` in every import mode.
+* ``@pytest.mark.gpu`` tests are skipped when CUDA is absent.
+"""
 from __future__ import annotations
 
 import os
@@ -11,6 +18,23 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    if "triton" in sys.modules:  # too late: kernels defined now would be compiled ones
+        raise pytest.UsageError(
+            "triton was imported before tests/conftest.py could set TRITON_INTERPRET=1; "
+            "run `TRITON_INTERPRET=1 python -m pytest`"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_report_header(config):
+    if torch.cuda.is_available():
+        return f"sparse_mla kernels: compiled on {torch.cuda.get_device_name()}"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "sparse_mla kernels: Triton interpreter on the CPU (TRITON_INTERPRET=1)"
+    return ("sparse_mla kernels: NOT TESTED (no CUDA and TRITON_INTERPRET is not 1): "
+            "kernel tests skip; unset TRITON_INTERPRET to run them under the interpreter")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -208,7 +208,8 @@ def test_validation_q(good):
     _raises(ValueError, "^q:", good, q=good.q[0])  # 3-D
     _raises(ValueError, "^q:.*d_qk", good, q=good.q[..., :128].contiguous())
     _raises(ValueError, "^q:", good, q=torch.zeros(2, 1, 129, 576, dtype=torch.bfloat16))  # h_q > 128
-    _raises(ValueError, "^q:", good, q=torch.zeros(0, 1, 16, 576, dtype=torch.bfloat16))
+    _raises(ValueError, "^q:", good, q=torch.zeros(2, 1, 0, 576, dtype=torch.bfloat16))  # h_q = 0
+    _raises(ValueError, "^indices", good, q=torch.zeros(0, 1, 16, 576, dtype=torch.bfloat16))  # b = 0 is valid, [2, ..] indices not
     wide = torch.zeros(2, 1, 16, 576 * 2, dtype=torch.bfloat16)[..., ::2]
     _raises(ValueError, "^q:", good, q=wide)
 

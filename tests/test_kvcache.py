@@ -384,10 +384,12 @@ def test_dequantize_bad_inputs():
         dequantize_k_cache(kc.view(torch.uint8)[..., :600], "V32")
     with pytest.raises(ValueError, match="^kq:"):
         dequantize_k_cache(kc.view(torch.uint8).view(2, 4, 656), "V32")
-    # a MODEL1 cache allocated without the 576-byte block padding
-    unpadded = torch.zeros(2, 3, 1, 584, dtype=torch.uint8)  # 3 * 584 = 1752, not a multiple of 576
-    with pytest.raises(ValueError, match="^kq:"):
-        dequantize_k_cache(unpadded, "MODEL1")
+    # a MODEL1 cache allocated without the 576-byte block padding is fine (3 * 584 = 1752 bytes a
+    # block, not a multiple of 576); a block stride below the 1752 bytes a block uses is not
+    unpadded = torch.zeros(2, 3, 1, 584, dtype=torch.uint8)
+    assert dequantize_k_cache(unpadded, "MODEL1").shape == (2, 3, 1, 512)
+    with pytest.raises(ValueError, match="^kq: block stride"):
+        dequantize_k_cache(unpadded.view(-1)[: 2 * 1752 - 8].as_strided((2, 3, 1, 584), (1744, 584, 584, 1)), "MODEL1")
     # byte dim not contiguous
     wide = torch.zeros(2, 4, 1, 656 * 2, dtype=torch.uint8)[..., ::2]
     with pytest.raises(ValueError, match="^kq:"):

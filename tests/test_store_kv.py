@@ -241,7 +241,8 @@ def test_store_rejects_bad_arguments():
         (TypeError, "k_cache", dict(k_cache=torch.zeros(2, 4, 1, 656, dtype=torch.bfloat16))),
         (ValueError, "k_cache", dict(k_cache=torch.zeros(2, 4, 1, 600, dtype=torch.uint8))),
         (ValueError, "k_cache", dict(k_cache=torch.zeros(2, 4, 1, 657, dtype=torch.uint8)[..., 1:])),  # misaligned
-        (ValueError, "k_cache", dict(k_cache=torch.zeros(2, 3, 1, 584, dtype=torch.uint8))),  # MODEL1 unpadded
+        (ValueError, "k_cache", dict(k_cache=torch.zeros(2 * 1752, dtype=torch.uint8).as_strided(
+            (2, 3, 1, 584), (1744, 584, 584, 1)))),  # MODEL1 block stride below the 3 * 584 bytes used
         (ValueError, "layout", dict(layout="MODEL1")),
         (ValueError, "block_t", dict(block_t=3)),
     ]

@@ -15,12 +15,12 @@ which therefore do no host-device synchronisation (CUDA-graph safe).
 from __future__ import annotations
 
 import numbers
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from ._runtime import use_triton
 from .kvcache import KVCacheLayout, _check_quantized_cache, get_layout
 from .scheduler import ScheduleTable, batch_num_blocks, compute_num_sm_parts, schedule
 
@@ -147,13 +147,13 @@ def validate_sparse_decode(
     extra_indices_in_kvcache: Any = None,
     topk_length: Any = None,
     extra_topk_length: Any = None,
-    strict_padding: bool = True,
 ) -> DecodeProblem:
     """Check every argument of the sparse decode path; raise ``TypeError``/``ValueError`` naming it.
 
-    ``strict_padding=False`` also accepts MODEL1 caches whose block stride is not padded to a
-    multiple of 576 B (see :func:`sparse_mla.kvcache._check_quantized_cache`; the torch.library op
-    uses it because functionalization may hand it a dense copy of the cache view).
+    The kernels read the 1-D ``topk_length``, ``extra_topk_length`` and ``attn_sink`` as dense
+    arrays: views of them (strided, expanded, offset) are made contiguous here, on the device
+    (a copy of ``b`` or ``h_q`` values, no host synchronisation). Every other tensor's strides are
+    honoured by the kernels. ``b = 0`` or ``s_q = 0`` is valid (an empty step).
     """
     _check_tensor(q, "q", (torch.bfloat16,), 4)
     b, s_q, h_q, d_qk = q.shape
@@ -162,8 +162,8 @@ def validate_sparse_decode(
         raise ValueError(f"q: expected a CPU or CUDA tensor (others follow q's device), got one on {dev}")
     if d_qk not in (576, 512):
         raise ValueError(f"q: head dim d_qk must be 576 (V3.2 layout) or 512 (MODEL1 layout), got {d_qk}")
-    if b < 1 or s_q < 1 or h_q < 1:
-        raise ValueError(f"q: b, s_q and h_q must be >= 1, got shape {list(q.shape)}")
+    if h_q < 1:
+        raise ValueError(f"q: h_q must be >= 1, got shape {list(q.shape)}")
     if h_q > 128:
         raise ValueError(f"q: h_q must be <= 128 (one KV head serves at most 128 query heads), got {h_q}")
     lay = get_layout(d_qk)
@@ -189,7 +189,7 @@ def validate_sparse_decode(
             raise ValueError(f"{name}: expected a tensor on {dev} (where q is), got {kc.device}")
         if kc.dim() == 4 and kc.shape[2] != 1:
             raise ValueError(f"{name}: h_kv (dim 2) must be 1 for MLA, got {kc.shape[2]}")
-        _check_quantized_cache(kc, lay, name, strict_padding)
+        _check_quantized_cache(kc, lay, name)
         if kc.shape[0] < 1 or kc.shape[1] < 1:
             raise ValueError(f"{name}: needs at least one block of at least one token, got {list(kc.shape)}")
 
@@ -223,9 +223,14 @@ def validate_sparse_decode(
     if q.stride(-1) != 1:
         raise ValueError("q: the last dimension must be contiguous (stride 1)")
     return DecodeProblem(
-        q, k_cache, indices, lay, sm_scale, lay.d_v, topk_length, attn_sink,
-        extra_k_cache, extra_indices_in_kvcache, extra_topk_length,
+        q, k_cache, indices, lay, sm_scale, lay.d_v, _dense(topk_length), _dense(attn_sink),
+        extra_k_cache, extra_indices_in_kvcache, _dense(extra_topk_length),
     )
+
+
+def _dense(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A 1-D tensor the kernels can index as ``ptr + i``: itself when contiguous, else a copy."""
+    return None if x is None else x.contiguous()
 
 
 def _config_of(p: DecodeProblem, num_sms: int) -> tuple:
@@ -263,12 +268,6 @@ def _ensure_schedule(meta: FlashMLASchedMeta, p: DecodeProblem) -> ScheduleTable
     return table
 
 
-def _use_triton(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return True
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def flash_mla_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -295,7 +294,8 @@ def flash_mla_with_kvcache(
         q: ``[b, s_q, h_q, d_qk]`` bf16 queries; ``d_qk`` 576 (V3.2 layout) or 512 (MODEL1
             layout); ``h_q <= 128``; last dim contiguous, other strides free.
         k_cache: ``[num_blocks, page_block_size, 1, bytes_per_token]`` ``float8_e4m3fn`` or
-            ``uint8`` bytes; 656 B/token (V32) or 584 (MODEL1, blocks padded to 576 B multiples).
+            ``uint8`` bytes; 656 B/token (V32) or 584 (MODEL1; any block stride of at least
+            ``page_block_size * 584`` bytes).
             May be a strided view of a larger pool (its block stride is honoured).
         block_table: ``[b, max_blocks]`` int32 — dense path only; ignored when ``indices`` is given.
         cache_seqlens: ``[b]`` int32 — dense path only; ignored when ``indices`` is given.
@@ -315,7 +315,13 @@ def flash_mla_with_kvcache(
 
     Returns:
         ``out [b, s_q, h_q, 512]`` bf16 and ``lse [b, h_q, s_q]`` fp32 (natural log; +inf and
-        out = 0 for a query with no valid key).
+        out = 0 for a query with no valid key). ``b = 0`` or ``s_q = 0`` gives empty tensors of
+        these shapes and launches nothing (the scheduler object stays as it was).
+
+    Non-finite inputs: a valid key whose score ``q·k`` is NaN or ``+inf`` (inf/NaN in ``q``)
+    makes that query head's ``out`` and ``lse`` NaN; a score of ``-inf`` gives its key weight 0.
+    A NaN ``attn_sink[h]`` makes head h's ``out`` NaN (lse unchanged); the lonely-query rule
+    (out 0, lse +inf) holds whatever the sink.
 
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape or device.
@@ -336,13 +342,30 @@ def flash_mla_with_kvcache(
         q, k_cache, head_dim_v, indices, softmax_scale, is_fp8_kvcache, causal, attn_sink,
         extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length,
     )
+    if is_empty(p):
+        return empty_outputs(p)
     return run_sparse_decode(p, _ensure_schedule(tile_scheduler_metadata, p))
+
+
+def is_empty(p: DecodeProblem) -> bool:
+    """An empty step (``b = 0`` or ``s_q = 0``): nothing to schedule or launch."""
+    return p.q.shape[0] == 0 or p.q.shape[1] == 0
+
+
+def empty_outputs(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out [b, s_q, h_q, d_v]`` bf16 and ``lse [b, h_q, s_q]`` fp32 of an empty step (no launch)."""
+    b, s_q, h_q, _ = p.q.shape
+    return (p.q.new_empty((b, s_q, h_q, p.d_v), dtype=torch.bfloat16),
+            p.q.new_empty((b, h_q, s_q), dtype=torch.float32))
 
 
 def run_sparse_decode(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a validated call: the Triton kernels on CUDA (and on the CPU under ``TRITON_INTERPRET=1``),
-    else the split-KV PyTorch reference. Returns ``(out bf16, lse fp32)``."""
-    if _use_triton(p.q.device):
+    else the split-KV PyTorch reference. Returns ``(out bf16, lse fp32)``; an empty step launches
+    nothing."""
+    if is_empty(p):
+        return empty_outputs(p)
+    if use_triton(p.q.device):
         from .ops.sparse_decode import sparse_decode_fwd
 
         return sparse_decode_fwd(p, table)

@@ -10,9 +10,11 @@ Two layouts, both "latent" MLA caches with a single KV head (``h_kv = 1``):
 
 * **MODEL1** (``d_qk = 512``): 448 NoPE values in 7 tiles of 64, 64 bf16 RoPE values and
   7 float8_e8m0 scales (+1 pad byte), 584 bytes per token. Inside one page block all tokens'
-  ``[nope | rope]`` records (576 B each) come first, then all tokens' 8 scale bytes; the block is
-  padded to a multiple of 576 bytes. The cache tensor is therefore a strided view
-  ``[num_blocks, page_block_size, 1, 584]`` whose block stride is the padded block size.
+  ``[nope | rope]`` records (576 B each) come first, then all tokens' 8 scale bytes.
+  :func:`quantize_k_cache` pads each block to a multiple of 576 bytes as FlashMLA does, so the
+  cache tensor is a strided view ``[num_blocks, page_block_size, 1, 584]`` whose block stride is
+  the padded block size; the kernels accept any block stride of at least
+  ``page_block_size * 584`` bytes (a dense copy of the view, too).
 
 Scales are UE8M0 (powers of two): ``scale = 2^ceil(log2(max(amax / 448, 1e-4)))`` and the stored
 value is ``x / scale`` rounded to e4m3, so dequantisation (``fp8 * scale``) is exact.
@@ -264,12 +266,13 @@ def gather_dequant_tokens(
     return out.view(*token_idx.shape, lay.d_qk)
 
 
-def _check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_cache", strict_padding: bool = True) -> None:
+def _check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_cache") -> None:
     """Dtype, shape and stride checks of an FP8 cache tensor (raise ``TypeError``/``ValueError`` naming it).
 
-    ``strict_padding=False`` accepts MODEL1 block strides below the padded block size, down to the
-    ``page_block_size * 584`` bytes the tokens use (the kernels follow ``stride(0)``): a dense copy
-    of a MODEL1 view, as functionalization (``torch.compile``) makes, has such a stride.
+    A MODEL1 block needs ``page_block_size * 584`` bytes; the block stride may be anything at
+    least that (FlashMLA pads blocks to a multiple of 576 B because its kernels need it; ours follow
+    ``stride(0)``, so a dense copy of a padded view, as ``Tensor.to``, ``.clone()`` or
+    functionalization make, is accepted too).
     """
     if not isinstance(kq, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(kq).__name__}")
@@ -292,19 +295,17 @@ def _check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_
             raise ValueError(
                 f"{name}: MODEL1 blocks must be packed (token stride {lay.bytes_per_token}), got {kq.stride(1)}"
             )
-        need = lay.block_bytes(pbs) if strict_padding else pbs * lay.bytes_per_token
+        need = pbs * lay.bytes_per_token
     if kq.shape[0] > 1 and kq.stride(0) < need:
         raise ValueError(f"{name}: block stride {kq.stride(0)} bytes < the {need} bytes one {lay.name} block needs")
     # the bytes the last block's tokens use must lie inside the storage (for MODEL1 they end with
-    # the last token's scale record: the padding after it is never accessed)
-    if lay.name != "V32":
-        need = pbs * lay.bytes_per_token
+    # the last token's scale record: padding after it is never accessed)
     if kq.shape[0] > 0:
         end = kq.storage_offset() + (kq.shape[0] - 1) * kq.stride(0) + need
         if end > kq.untyped_storage().nbytes():
             raise ValueError(
                 f"{name}: the {lay.name} layout needs {need} bytes per block but the storage ends "
-                f"{end - kq.untyped_storage().nbytes()} bytes early (MODEL1 blocks are padded to a multiple of 576 B)"
+                f"{end - kq.untyped_storage().nbytes()} bytes early"
             )
 
 

@@ -28,7 +28,15 @@ from typing import Optional
 
 import torch
 
-from .interface import FlashMLASchedMeta, _ensure_schedule, _use_triton, run_sparse_decode, validate_sparse_decode
+from ._runtime import use_triton
+from .interface import (
+    FlashMLASchedMeta,
+    _ensure_schedule,
+    empty_outputs,
+    is_empty,
+    run_sparse_decode,
+    validate_sparse_decode,
+)
 from .scheduler import META_FIELDS, ScheduleTable
 
 __all__ = ["sparse_decode", "schedule_tensors", "OPS"]
@@ -62,8 +70,6 @@ def _check_sched_tensors(
             raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
     if metadata.dim() != 2 or metadata.shape[1] != len(META_FIELDS) or metadata.shape[0] < 1:
         raise ValueError(f"tile_scheduler_metadata: expected shape [num_sm_parts >= 1, {len(META_FIELDS)}], got {list(metadata.shape)}")
-    if not metadata.is_contiguous():
-        raise ValueError("tile_scheduler_metadata: must be contiguous")
 
 
 def _bounded_schedule(
@@ -76,16 +82,17 @@ def _bounded_schedule(
     write out of bounds or loop without end afterwards: requests stay in ``[0, b)``, blocks in
     ``[0, ceil(topk/64) + ceil(extra_topk/64)]``, ``num_splits`` becomes a non-decreasing
     sequence from 0 within ``[0, rows - 1]`` and split indices stay inside their batch's rows.
+    The results are contiguous whatever the inputs' strides (the kernels index them densely).
     """
     bs = 64
     main_max = -(-topk // bs)
     blk_max = main_max + (-(-extra_topk // bs))
-    mb = main_blocks.clamp(0, main_max)
-    nb = torch.maximum(num_blocks.clamp(0, blk_max), mb)
+    mb = main_blocks.clamp(0, main_max).contiguous()
+    nb = torch.maximum(num_blocks.clamp(0, blk_max), mb).contiguous()
     ns = num_splits.clamp(0, rows - 1)
     ns = torch.cummax(ns, dim=0).values
     ns = torch.cat([ns.new_zeros(1), ns[1:]])
-    md = metadata.clone()
+    md = metadata.clone(memory_format=torch.contiguous_format)
     md[:, 0] = metadata[:, 0].clamp(0, b)  # begin_req (b = idle)
     md[:, 1] = metadata[:, 1].clamp(-1, b - 1)  # end_req
     md[:, 2] = metadata[:, 2].clamp(0, blk_max)
@@ -117,13 +124,12 @@ def _sparse_decode_op(
     extra_indices: Optional[torch.Tensor] = None,
     extra_topk_length: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # strict_padding=False: functionalization (torch.compile, AOT autograd) may hand the op a dense
-    # copy of a MODEL1 cache view, whose blocks are not padded to 576 B multiples; every byte the
-    # tokens use is in it at the same in-block offset, and the kernel follows the block stride
     p = validate_sparse_decode(
         q, k_cache, D_V, indices, sm_scale, True, False, attn_sink, extra_k_cache, extra_indices,
-        topk_length, extra_topk_length, strict_padding=False,
+        topk_length, extra_topk_length,
     )
+    if is_empty(p):
+        return empty_outputs(p)
     _check_sched_tensors(q, tile_scheduler_metadata, num_splits, main_blocks, num_blocks)
     b = q.shape[0]
     rows = b + int(tile_scheduler_metadata.shape[0])
@@ -226,6 +232,8 @@ def sparse_decode(
         q, k_cache, D_V, indices, softmax_scale, True, False, attn_sink, extra_k_cache,
         extra_indices_in_kvcache, topk_length, extra_topk_length,
     )
+    if is_empty(p):
+        return empty_outputs(p)
     _ensure_schedule(tile_scheduler_metadata, p)
     return torch.ops.sparse_mla.sparse_decode(
         q, k_cache, indices, **schedule_tensors(tile_scheduler_metadata), sm_scale=p.sm_scale,
@@ -302,7 +310,7 @@ def combine(
     _check_combine(o_accum, lse_accum, num_splits, out, lse, attn_sink)
     if out.numel() == 0:
         return
-    if _use_triton(out.device):
+    if use_triton(out.device):
         from .ops.combine import combine_fwd
 
         combine_fwd(o_accum, lse_accum, num_splits, out, lse, attn_sink)
@@ -331,10 +339,7 @@ def quantize_and_store_kv(kv: torch.Tensor, slot_mapping: torch.Tensor, k_cache:
     """
     from .ops.store_kv import quantize_and_store_kv as _store
 
-    # functionalization (torch.compile, AOT autograd) may hand the op a dense copy of a MODEL1
-    # cache view, whose blocks are not padded to 576 B multiples: every byte the tokens use is in
-    # it at the same in-block offset, and the kernel follows the copy's block stride
-    _store(kv, slot_mapping, k_cache, strict_padding=False)
+    _store(kv, slot_mapping, k_cache)
 
 
 @quantize_and_store_kv.register_fake

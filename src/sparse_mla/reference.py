@@ -12,6 +12,9 @@ Semantics (FlashMLA 1.0): an index is valid iff ``0 <= idx < num_blocks * page_b
 its position is below ``topk_length[i]``; invalid keys get weight 0 and their cache bytes are
 never used (NaN there cannot leak); a query with no valid key gets out = 0 and lse = +inf;
 ``attn_sink[h]`` scales the output by ``exp(lse) / (exp(lse) + exp(sink))`` and leaves lse alone.
+Non-finite values (the same on every path): a valid key with a NaN or ``+inf`` score makes the
+query head's out and lse NaN, a ``-inf`` score gives its key weight 0, a NaN sink makes out NaN;
+lonely queries keep out 0 and lse +inf whatever the sink.
 """
 from __future__ import annotations
 
@@ -78,13 +81,22 @@ def _scores_and_values(q, k_cache, indices, topk_length, extra_k_cache, extra_in
     return s, k[..., :d_v], valid
 
 
+def _poisoned(s: torch.Tensor) -> torch.Tensor:
+    """Rows ``[..., h]`` with a NaN or ``+inf`` score on a valid key: their out and lse are NaN
+    (the online softmax of the kernels gives NaN there: ``inf - inf``); ``-inf`` scores just
+    get weight 0."""
+    return (torch.isnan(s) | torch.isposinf(s)).any(dim=-1)
+
+
 def _sink_factor(lse: torch.Tensor, attn_sink: Optional[torch.Tensor]) -> torch.Tensor:
-    """``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``; lse [..., h], sink [h]."""
+    """``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``; lse [..., h], sink [h].
+
+    NaN where the sink is NaN (it propagates) and for lonely queries with a ``+inf`` sink
+    (``inf - inf``): every caller then sets lonely queries' out to 0.
+    """
     if attn_sink is None:
         return torch.ones_like(lse)
-    d = lse - attn_sink.float().to(lse.device)
-    # sigmoid(+inf - +inf) would be NaN: lonely queries (lse=+inf) have out = 0 anyway
-    return torch.where(torch.isnan(d), torch.zeros_like(d), torch.sigmoid(d))
+    return torch.sigmoid(lse - attn_sink.float().to(lse.device))
 
 
 def sparse_decode_reference(
@@ -119,6 +131,7 @@ def sparse_decode_reference(
     s, v, _ = _scores_and_values(q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length, d_v)
     s = s * sm_scale
     lse = torch.logsumexp(s, dim=-1)  # [b, s_q, h]; -inf when nothing is valid
+    lse = torch.where(_poisoned(s), torch.full_like(lse, float("nan")), lse)
     lonely = torch.isneginf(lse)
     p = torch.exp(s - torch.where(lonely, torch.zeros_like(lse), lse).unsqueeze(-1))
     out = torch.einsum("bsht,bstd->bshd", p, v)

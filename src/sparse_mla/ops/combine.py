@@ -11,18 +11,19 @@ a single piece were finished by the decode kernel and are left alone.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .._runtime import interpreting, require_runnable
+
 
 @triton.jit
 def _combine_kernel(
     oacc_ptr, stride_ar, stride_as, stride_ah,
-    lacc_ptr, stride_lr, stride_lsq,
+    lacc_ptr, stride_lr, stride_lsq, stride_lh_acc,
     nsplit_ptr, sink_ptr,
     out_ptr, stride_ob, stride_os, stride_oh,
     lse_ptr, stride_lb, stride_lh, stride_ls,
@@ -41,7 +42,7 @@ def _combine_kernel(
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < h_q
         cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
-        lbase = lacc_ptr + sq * stride_lsq + heads
+        lbase = lacc_ptr + sq * stride_lsq + heads * stride_lh_acc
         # max and sum of the split LSEs, BLOCK_S splits a step (independent loads)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         j0 = 0
@@ -51,8 +52,7 @@ def _combine_kernel(
                          mask=(js < n)[:, None] & hmask[None, :], other=float("-inf"))
             m = tl.maximum(m, tl.max(lt, axis=0))
             j0 += BLOCK_S
-        lonely = m == float("-inf")
-        m_safe = tl.where(lonely, 0.0, m)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
         tot = tl.zeros([BLOCK_H], tl.float32)
         j0 = 0
         while j0 < n:
@@ -61,6 +61,9 @@ def _combine_kernel(
                          mask=(js < n)[:, None] & hmask[None, :], other=float("-inf"))
             tot += tl.sum(tl.exp2(lt - m_safe[None, :]), axis=0)
             j0 += BLOCK_S
+        # no valid key in any split: every lse_j is -inf, so the sum is 0 (a NaN lse_j, from a NaN or
+        # +inf score, makes it NaN: such a query propagates NaN rather than passing for lonely)
+        lonely = tot == 0.0
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         obase = oacc_ptr + sq * stride_as + heads[:, None] * stride_ah + cols[None, :]
         if FOR_LOOP:  # compiled: let the pipeliner prefetch the next splits' partial outputs
@@ -142,19 +145,21 @@ def combine_fwd(
         RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
 
     Args:
-        o_accum: ``[rows, s_q, h_q, d_v]`` fp32 partial outputs.
+        o_accum: ``[rows, s_q, h_q, d_v]`` fp32 partial outputs (last dim contiguous).
         lse_accum: ``[rows, s_q, h_q]`` fp32 log2-space partial LSEs.
         num_splits: ``[b + 1]`` int32 prefix sums of pieces per batch.
-        out: ``[b, s_q, h_q, d_v]`` bf16 (or fp32) output, written for split batches only.
+        out: ``[b, s_q, h_q, d_v]`` bf16 (or fp32) output, written for split batches only (last
+            dim contiguous; other strides and every stride of the other tensors are honoured).
         lse: ``[b, h_q, s_q]`` fp32 natural-log LSE, written for split batches only.
         attn_sink: ``[h_q]`` fp32 or None.
         blocks: ``(BLOCK_H, BLOCK_D)`` of one program (powers of two, BLOCK_D dividing d_v);
             default: chosen from the problem size and the GPU (:func:`_combine_blocks`).
     """
     b, s_q, h_q, d_v = out.shape
-    if not out.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not out.is_cuda and not interpreting():
         raise RuntimeError("combine_fwd: needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors "
                            "(reference.combine_reference is the PyTorch twin)")
+    require_runnable(_combine_kernel, out.device)
     if blocks is not None:
         ok = (isinstance(blocks, tuple) and len(blocks) == 2
               and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0 for v in blocks))
@@ -167,11 +172,12 @@ def combine_fwd(
     grid = (b, s_q * triton.cdiv(h_q, block_h), d_v // block_d)
     _combine_kernel[grid](
         o_accum, o_accum.stride(0), o_accum.stride(1), o_accum.stride(2),
-        lse_accum, lse_accum.stride(0), lse_accum.stride(1),
-        num_splits, attn_sink if attn_sink is not None else lse_accum,
+        lse_accum, lse_accum.stride(0), lse_accum.stride(1), lse_accum.stride(2),
+        # read as dense arrays: views (strided, expanded, offset) become copies, on the device
+        num_splits.contiguous(), attn_sink.contiguous() if attn_sink is not None else lse_accum,
         out, out.stride(0), out.stride(1), out.stride(2),
         lse, lse.stride(0), lse.stride(1), lse.stride(2),
         h_q, s_q, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=32, HAS_SINK=attn_sink is not None,
-        FOR_LOOP=os.environ.get("TRITON_INTERPRET", "0") != "1",
+        FOR_LOOP=not interpreting(),
         num_warps=4,
     )

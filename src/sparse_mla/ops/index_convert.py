@@ -13,12 +13,11 @@ is negative (an unallocated block).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .._runtime import require_runnable, use_triton
 from ..kvcache import _check_abs_index_args
 
 __all__ = ["abs_indices_to_kvcache_indices_triton"]
@@ -84,11 +83,12 @@ def abs_indices_to_kvcache_indices_triton(
     if out.numel() == 0:
         return out
     dev = abs_indices.device
-    if not (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+    if not use_triton(dev):
         from ..kvcache import abs_indices_to_kvcache_indices
 
         out.copy_(abs_indices_to_kvcache_indices(abs_indices, block_table, page_block_size))
         return out
+    require_runnable(_abs_to_cache_kernel, dev)
     n_log = block_table.shape[1]
     bt = block_table if n_log > 0 else torch.full((b, 1), -1, dtype=block_table.dtype, device=dev)
     block = min(1024, triton.next_power_of_2(topk))

@@ -21,16 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .._runtime import interpreting, require_runnable
 from ..interface import DecodeProblem, heads_per_cta
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable
 
 LOG2E = 1.4426950408889634
 LAZY_RESCALE_DEFAULT = tl.constexpr(os.environ.get("SPARSE_MLA_LAZY_RESCALE", "0") == "1")
 LN2 = 0.6931471805599453
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -309,7 +306,7 @@ def gluon_supported(p: DecodeProblem) -> bool:
     dev = p.q.device
     return (
         dev.type == "cuda"
-        and not _interpreting()
+        and not interpreting()
         and torch.cuda.get_device_capability(dev)[0] == 9
         and p.layout.name == "V32"
         and p.extra_k_cache is None
@@ -342,6 +339,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
         from .sparse_decode_gluon import sparse_decode_fwd as gluon_fwd
 
         return gluon_fwd(p, table)
+    require_runnable(_sparse_decode_kernel, p.q.device)
     q = p.q
     b, s_q, h_q, _ = q.shape
     lay = p.layout
@@ -349,7 +347,7 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
     block_h = heads_per_cta(h_q)
     tune = _tuning()
     n_hb = triton.cdiv(h_q, block_h)
-    interp = _interpreting()
+    interp = interpreting()
     # Triton 3.6's interpreter truncates fp32 -> bf16 instead of rounding to nearest even: there
     # the kernels write fp32 and torch rounds once at the end (compiled kernels write bf16).
     out = torch.empty(b, s_q, h_q, p.d_v, dtype=torch.float32 if interp else torch.bfloat16, device=dev)

@@ -265,7 +265,8 @@ def _consumer(
                 s = warpgroup_mma(q_smem, kbuf.permute([1, 0]), gl.zeros([64, 64], gl.float32, S_L), use_acc=False)
                 s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute([1, 0]), s)
                 bias = mask_smem.index(stage).load(SCOL)
-                s = s * scale_log2 + gl.expand_dims(bias, 0)
+                # a select, not an add: an invalid token's score is q·0, NaN when q holds an inf
+                s = gl.where(gl.expand_dims(bias, 0) == 0.0, s * scale_log2, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(s, axis=1))
                 m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = gl.exp2(m_i - m_safe)

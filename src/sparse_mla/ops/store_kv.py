@@ -36,13 +36,13 @@ unspecified.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .._runtime import require_runnable, use_triton
 from ..kvcache import KVCacheLayout, LayoutLike, _check_quantized_cache, get_layout
 
 __all__ = ["quantize_and_store_kv", "check_store_args", "layout_of_cache"]
@@ -154,15 +154,11 @@ def check_store_args(
     slot_mapping: torch.Tensor,
     k_cache: torch.Tensor,
     layout: Optional[LayoutLike] = None,
-    strict_padding: bool = True,
 ) -> KVCacheLayout:
     """Validate the arguments of :func:`quantize_and_store_kv` (no device synchronisation).
 
     Returns the cache layout. Raises ``TypeError``/``ValueError`` naming the bad argument; slot
-    values are range-checked only when ``slot_mapping`` is on the CPU. ``strict_padding=False``
-    accepts MODEL1 caches whose block stride is not padded to a multiple of 576 B (the kernel only
-    needs ``page_block_size * 584`` bytes per block): the torch.library op gets such a dense copy
-    of a MODEL1 view when functionalization (``torch.compile`` / AOT autograd) clones it.
+    values are range-checked only when ``slot_mapping`` is on the CPU.
     """
     lay = layout_of_cache(k_cache)
     if layout is not None:
@@ -171,7 +167,7 @@ def check_store_args(
             raise ValueError(
                 f"layout: {want.name} given, but k_cache has {k_cache.shape[-1]} bytes per token ({lay.name})"
             )
-    _check_quantized_cache(k_cache, lay, "k_cache", strict_padding)
+    _check_quantized_cache(k_cache, lay, "k_cache")
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
     if kv.dtype != torch.bfloat16:
@@ -211,10 +207,6 @@ def check_store_args(
     return lay
 
 
-def _use_triton(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def quantize_and_store_kv(
     kv: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -222,7 +214,6 @@ def quantize_and_store_kv(
     layout: Optional[LayoutLike] = None,
     *,
     block_t: Optional[int] = None,
-    strict_padding: bool = True,
 ) -> None:
     """Quantise new tokens' latent KV and write them in place into a paged FP8 cache.
 
@@ -241,12 +232,10 @@ def quantize_and_store_kv(
             the CPU; on the GPU (where checking would need a sync) they are silently skipped.
             Slots should be distinct (duplicates race).
         k_cache: ``[num_blocks, page_block_size, 1, bytes_per_token]`` ``float8_e4m3fn`` or
-            ``uint8``, 656 B/token (V32) or 584 (MODEL1, blocks padded to 576 B multiples); may be
+            ``uint8``, 656 B/token (V32) or 584 (MODEL1, any block stride >= page_block_size * 584); may be
             a strided view of a larger pool (its strides are honoured). Written in place.
         layout: optional ``"V32"``/``"MODEL1"``; when given it must agree with ``k_cache``.
         block_t: tokens per Triton program (a power of two <= 64; default: 1 for small ``n``, else 4).
-        strict_padding: when False, also accept MODEL1 caches whose block stride is not padded to
-            a multiple of 576 B (see :func:`check_store_args`).
 
     Raises:
         TypeError: wrong dtypes (``kv`` not bf16, ``slot_mapping`` not int64/int32, cache not
@@ -254,7 +243,7 @@ def quantize_and_store_kv(
         ValueError: shapes, ``d_qk`` not matching the cache layout, devices differ, misaligned
             cache, out-of-range slots (CPU ``slot_mapping`` only), bad ``block_t``.
     """
-    lay = check_store_args(kv, slot_mapping, k_cache, layout, strict_padding)
+    lay = check_store_args(kv, slot_mapping, k_cache, layout)
     n = kv.shape[0]
     if block_t is None:
         block_t = 1 if n < 1024 else 4
@@ -262,7 +251,7 @@ def quantize_and_store_kv(
         raise ValueError(f"block_t: expected a power of two in [1, 64], got {block_t!r}")
     if n == 0 or k_cache.numel() == 0:
         return
-    if not _use_triton(k_cache.device):
+    if not use_triton(k_cache.device):
         from ..reference import quantize_and_store_kv_reference
 
         quantize_and_store_kv_reference(kv, slot_mapping, k_cache)
@@ -272,6 +261,7 @@ def quantize_and_store_kv(
 
 def _launch(kv: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, lay: KVCacheLayout, block_t: int) -> None:
     """Launch the kernel on validated arguments (no slot-range check: the kernel masks bad slots)."""
+    require_runnable(_quantize_store_kernel, k_cache.device)
     raw = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
     nb, pbs = raw.shape[0], raw.shape[1]
     n = kv.shape[0]

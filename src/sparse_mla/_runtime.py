@@ -1,0 +1,45 @@
+"""Where the kernels run: the one place that reads ``TRITON_INTERPRET``.
+
+Triton decides when a kernel is *defined* (``@triton.jit`` at import of its module) whether it
+will be compiled or interpreted. CPU tensors can run only interpreted kernels, CUDA tensors
+either. So ``TRITON_INTERPRET=1`` must be set before the kernel modules are imported (best:
+before Python starts); :func:`require_runnable` turns the mismatch into a clear error instead of
+Triton's "0 active drivers".
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["interpreting", "use_triton", "require_runnable"]
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter is selected (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether the Triton kernels serve tensors on ``device``: always on CUDA, on the CPU only
+    under the interpreter (else the PyTorch reference twins run)."""
+    return device.type == "cuda" or interpreting()
+
+
+def require_runnable(kernel: Any, device: torch.device) -> None:
+    """Raise ``RuntimeError`` when ``kernel`` cannot run tensors on ``device``.
+
+    A kernel module imported without ``TRITON_INTERPRET=1`` holds compiled kernels, which cannot
+    take CPU tensors even if the variable is set later.
+    """
+    if device.type == "cuda":
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(kernel, InterpretedFunction):
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after sparse_mla's Triton kernels were imported; Triton reads it "
+            "when a kernel is defined, so set it before Python starts (e.g. `TRITON_INTERPRET=1 python ...`) "
+            "or before the first kernel call, or pass CUDA tensors"
+        )

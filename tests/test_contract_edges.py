@@ -1,0 +1,352 @@
+"""Edges of the contract on every path (kernels, reference, custom ops): tensor views as arguments,
+non-finite inputs, MODEL1 caches without block padding, empty steps, the interpreter switch.
+
+Kernels run compiled on a GPU, else under Triton's interpreter (``tests/conftest.py`` selects it
+on machines without CUDA). Every case is compared with the fp32 reference or the PyTorch twin.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import cache_to, check_decode_close, make_cache, make_problem
+
+import sparse_mla as flash_mla
+import sparse_mla.library as lib
+from sparse_mla.kvcache import abs_indices_to_kvcache_indices, dequantize_k_cache, quantize_k_cache
+from sparse_mla.reference import combine_reference, quantize_and_store_kv_reference, sparse_decode_reference
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+KERNELS = ON_GPU or os.environ.get("TRITON_INTERPRET", "0") == "1"
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="kernels need a GPU or TRITON_INTERPRET=1")
+INF, NAN = float("inf"), float("nan")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def to_dev(p):
+    for f in ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra_k_cache", "extra_indices", "extra_topk_length"):
+        v = getattr(p, f)
+        if v is not None:
+            setattr(p, f, cache_to(v, DEVICE) if f.endswith("k_cache") else v.to(DEVICE))
+    return p
+
+
+def view_of(t: torch.Tensor, kind: str, filler) -> torch.Tensor:
+    """A view of ``t``'s values that is not a plain contiguous tensor: ``strided`` (every other
+    element of a bigger tensor whose other elements are ``filler``), ``offset`` (a nonzero storage
+    offset, ``filler`` before it), ``expanded`` (stride 0: ``t`` must hold one repeated value)."""
+    n = t.shape[0]
+    if kind == "strided":
+        v = torch.stack([t, torch.full_like(t, filler)], dim=1)[:, 0]
+        assert v.stride(0) == 2
+    elif kind == "offset":
+        v = torch.cat([torch.full_like(t[:1], filler).expand(3), t])[3:]
+        assert v.storage_offset() == 3
+    else:
+        assert (t == t[0]).all()
+        v = t[:1].expand(n)
+        assert v.stride(0) == 0
+    assert torch.equal(v, t)
+    return v
+
+
+def run_api(p, num_sms, **over):
+    meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
+    kw = p.api_kwargs()
+    kw.update(over)
+    out, lse = flash_mla.flash_mla_with_kvcache(p.q, p.k_cache, None, None, 512, meta, is_fp8_kvcache=True, **kw)
+    return out, lse
+
+
+def run_op(p, num_sms, **over):
+    meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
+    kw = {k: v for k, v in p.api_kwargs().items() if k != "indices"}
+    kw.update(over)
+    return lib.sparse_decode(p.q, p.k_cache, p.indices, meta, **kw)
+
+
+# ------------------------------------------------------------------ 1. views of every tensor argument
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["strided", "offset", "expanded"])
+@pytest.mark.parametrize("entry", [run_api, run_op], ids=["api", "op"])
+@pytest.mark.parametrize("num_sms", [2, 132])  # whole batches, and split batches (combine)
+def test_length_and_sink_views(kind, entry, num_sms):
+    uniform = kind == "expanded"
+    p = to_dev(make_problem(
+        b=3, s_q=2, h_q=16, topk=130, seed=31, extra_topk=70,
+        topk_length=[77] * 3 if uniform else [0, 77, 130], extra_topk_length=[5] * 3 if uniform else [70, 0, 5],
+        attn_sink=[0.7] if uniform else [INF, -1.5, 0.3, 2.0],
+    ))
+    ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512, **p.ref_kwargs())
+    # fillers that change the answer if read: length 0 (nothing attended), sink +inf (out 0)
+    views = dict(
+        topk_length=view_of(p.topk_length, kind, 0),
+        extra_topk_length=view_of(p.extra_topk_length, kind, 0),
+        attn_sink=view_of(p.attn_sink, kind, INF),
+    )
+    out, lse = entry(p, num_sms, **views)
+    check_decode_close(out, lse, ro, rl)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["strided", "offset"])
+def test_combine_views(kind):
+    from sparse_mla.ops.combine import combine_fwd
+
+    g = torch.Generator().manual_seed(8)
+    s_q, h_q, d_v, rows = 2, 16, 512, 6
+    num_splits = torch.tensor([0, 1, 4, 6], dtype=torch.int32)
+    o_acc = torch.randn(rows, s_q, h_q, d_v, generator=g)
+    l_acc = torch.randn(rows, s_q, h_q, generator=g) * 3
+    sink = torch.randn(h_q, generator=g)
+    ro, rl = torch.zeros(3, s_q, h_q, d_v), torch.zeros(3, h_q, s_q)
+    combine_reference(o_acc, l_acc, num_splits, ro, rl, sink)
+    o_acc, l_acc, num_splits, sink = (t.to(DEVICE) for t in (o_acc, l_acc, num_splits, sink))
+    if kind == "strided":  # lse_accum with a head stride of 2
+        l_view = torch.stack([l_acc, torch.full_like(l_acc, 50.0)], dim=3)[..., 0]
+    else:
+        l_view = torch.cat([torch.full_like(l_acc[:1], 50.0), l_acc])[1:]
+    assert torch.equal(l_view, l_acc) and (not l_view.is_contiguous() or l_view.storage_offset() > 0)
+    for fn in (combine_fwd, torch.ops.sparse_mla.combine):
+        out = torch.zeros(3, s_q, h_q, d_v, device=DEVICE)
+        lse = torch.zeros(3, h_q, s_q, device=DEVICE)
+        fn(o_acc, l_view, view_of(num_splits, kind, 99), out, lse, view_of(sink, kind, INF))
+        torch.testing.assert_close(out.cpu(), ro, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse.cpu(), rl, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["strided", "offset"])
+def test_schedule_tensor_views_through_the_op(kind):
+    p = to_dev(make_problem(b=2, h_q=16, topk=128, num_blocks=3, seed=12, topk_length=[100, 30]))
+    meta, _ = flash_mla.get_mla_metadata(num_sms=32)
+    out, lse = lib.sparse_decode(p.q, p.k_cache, p.indices, meta, topk_length=p.topk_length)
+    st = lib.schedule_tensors(meta)
+    assert st["any_split"]
+    viewed = dict(st)
+    for name in ("num_splits", "main_blocks", "num_blocks"):
+        viewed[name] = view_of(st[name], kind, 10_000)
+    md = st["tile_scheduler_metadata"]
+    big = torch.full((md.shape[0], md.shape[1] * 2), 10_000, dtype=md.dtype, device=md.device)
+    big[:, ::2] = md
+    viewed["tile_scheduler_metadata"] = big[:, ::2] if kind == "strided" else torch.cat([big[:1, :8], md])[1:]
+    out2, lse2 = torch.ops.sparse_mla.sparse_decode(p.q, p.k_cache, p.indices, **viewed, sm_scale=576 ** -0.5,
+                                                    topk_length=p.topk_length)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["strided", "offset"])
+def test_store_views(kind):
+    k = torch.randn(8, 576).to(torch.bfloat16)
+    slots = torch.tensor([5, -1, 0, 17, 9, 30, 2, 11])
+    want = quantize_k_cache(torch.zeros(4, 8, 1, 576, dtype=torch.bfloat16), "V32")
+    quantize_and_store_kv_reference(k, slots, want)
+    cache = cache_to(quantize_k_cache(torch.zeros(4, 8, 1, 576, dtype=torch.bfloat16), "V32"), DEVICE)
+    kv_big = torch.zeros(8, 2, 576, dtype=torch.bfloat16)
+    kv_big[:, 1] = k
+    kv_view = kv_big[:, 1] if kind == "strided" else torch.cat([torch.zeros(1, 576, dtype=torch.bfloat16), k])[1:]
+    flash_mla.quantize_and_store_kv(kv_view.to(DEVICE) if kind == "offset" else kv_big.to(DEVICE)[:, 1],
+                                    view_of(slots.to(DEVICE), kind, 3), cache)
+    assert torch.equal(cache.view(torch.uint8).cpu(), want.view(torch.uint8))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["strided", "offset", "expanded"])
+def test_index_conversion_views(kind):
+    g = torch.Generator().manual_seed(2)
+    b, s_q, topk, pbs = 3, 2, 40, 16
+    table = torch.randperm(30, generator=g)[:8].int()
+    block_table = torch.stack([table, table.flip(0), table + 1])
+    abs_idx = torch.randint(-1, 8 * pbs + 3, (b, s_q, topk), generator=g).int()
+    if kind == "expanded":
+        block_table = table.expand(b, 8)
+    want = abs_indices_to_kvcache_indices(abs_idx, block_table.contiguous(), pbs)
+    block_table, abs_idx = block_table.contiguous().to(DEVICE), abs_idx.to(DEVICE)
+    if kind == "strided":
+        bt_v = torch.stack([block_table, torch.full_like(block_table, 7)], dim=2)[..., 0]
+        ai_v = torch.stack([abs_idx, torch.full_like(abs_idx, 5)], dim=3)[..., 0]
+    elif kind == "offset":
+        bt_v = torch.cat([torch.full_like(block_table[:1], 7), block_table])[1:]
+        ai_v = torch.cat([torch.full_like(abs_idx[:1], 5), abs_idx])[1:]
+    else:
+        bt_v, ai_v = block_table[:1].expand(b, 8), abs_idx.unsqueeze(0).expand(2, b, s_q, topk)[1]
+        assert bt_v.stride(0) == 0
+    got = flash_mla.abs_indices_to_kvcache_indices_triton(ai_v, bt_v, pbs)
+    assert torch.equal(got.cpu(), want)
+
+
+# ------------------------------------------------------------------ 5. non-finite inputs: one behaviour
+
+
+def _paths():
+    """(name, runner) of every decode path on this machine: the kernels and the reference path."""
+    paths = [("reference", "0")]
+    if KERNELS:
+        paths.append(("kernels", "1" if DEVICE == "cpu" else None))
+    return paths
+
+
+@pytest.mark.parametrize("path,interp", _paths())
+@pytest.mark.parametrize("num_sms", [2, 132])
+def test_nan_sink_propagates(path, interp, num_sms, monkeypatch):
+    if interp is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", interp)
+    p = to_dev(make_problem(b=3, s_q=2, h_q=16, topk=70, seed=41, topk_length=[70, 0, 40],
+                            attn_sink=[NAN, 0.5, -1.0, INF]))
+    ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512, **p.ref_kwargs())
+    out, lse = run_api(p, num_sms)
+    check_decode_close(out, lse, ro, rl, finite=False)
+    nan_heads = out[:, :, 0::4].float()
+    assert torch.isnan(nan_heads[[0, 2]]).all()  # NaN sink, queries with keys: NaN
+    assert (nan_heads[1] == 0).all() and torch.isposinf(lse[1]).all()  # lonely: out 0, lse +inf
+    assert torch.isfinite(lse[[0, 2]]).all()  # the sink leaves lse alone
+
+
+@pytest.mark.parametrize("path,interp", _paths())
+@pytest.mark.parametrize("num_sms", [2, 132])
+def test_non_finite_q(path, interp, num_sms, monkeypatch):
+    if interp is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", interp)
+    # dim 0 of every cached token is positive: a -inf there gives every key a -inf score
+    k, _ = make_cache("V32", 4, 64, seed=43)
+    k[..., 0] = k[..., 0].abs() + 0.25
+    p = make_problem(b=2, s_q=2, h_q=16, topk=90, num_blocks=4, seed=43, attn_sink=[0.5])
+    p.k_cache = quantize_k_cache(k, "V32")
+    p.q[0, 0, 3, 7] = INF  # scores of mixed sign infinity and NaN: NaN
+    p.q[0, 1, 5, 0] = -INF  # every score -inf: no key gets weight, a lonely query
+    p.q[1, 0, 2, 100] = NAN
+    p = to_dev(p)
+    ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512, **p.ref_kwargs())
+    out, lse = run_api(p, num_sms)
+    check_decode_close(out, lse, ro, rl, finite=False)
+    assert torch.isnan(out[0, 0, 3].float()).all() and torch.isnan(lse[0, 3, 0])
+    assert torch.isnan(out[1, 0, 2].float()).all() and torch.isnan(lse[1, 2, 0])
+    assert (out[0, 1, 5].float() == 0).all() and torch.isposinf(lse[0, 5, 1])
+    finite = torch.ones_like(lse, dtype=torch.bool)
+    finite[0, 3, 0] = finite[1, 2, 0] = finite[0, 5, 1] = False
+    assert torch.isfinite(lse[finite]).all()  # one bad head poisons only itself
+
+
+# ------------------------------------------------------------------ 5. MODEL1 caches without block padding
+
+
+@pytest.mark.parametrize("path,interp", _paths())
+def test_model1_dense_copy_of_padded_cache(path, interp, monkeypatch):
+    if interp is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", interp)
+    p = make_problem(b=2, s_q=1, h_q=16, topk=100, layout="MODEL1", num_blocks=3, page_block_size=61, seed=45,
+                     extra_topk=40)
+    padded = p.k_cache
+    dense = padded.clone()  # what .clone() / .to(device) give: block stride 61 * 584, no padding
+    assert dense.stride(0) == 61 * 584 < padded.stride(0)
+    assert torch.equal(dequantize_k_cache(dense, "MODEL1"), dequantize_k_cache(padded, "MODEL1"))
+    p = to_dev(p)
+    ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512, **p.ref_kwargs())
+    p.k_cache, p.extra_k_cache = dense.to(DEVICE), p.extra_k_cache.clone()
+    out, lse = run_api(p, 8)
+    check_decode_close(out, lse, ro, rl)
+    out2, lse2 = run_op(p, 8)
+    check_decode_close(out2, lse2, ro, rl)
+    # the store writes the same bytes into a dense copy as into the padded original
+    kv = torch.randn(5, 512).to(torch.bfloat16).to(DEVICE)
+    slots = torch.tensor([0, 60, 61, 150, 182]).to(DEVICE)
+    flash_mla.quantize_and_store_kv(kv, slots, p.k_cache)
+    padded_dev = cache_to(padded, DEVICE)
+    flash_mla.quantize_and_store_kv(kv, slots, padded_dev)
+    assert torch.equal(dequantize_k_cache(p.k_cache, "MODEL1"), dequantize_k_cache(padded_dev, "MODEL1"))
+
+
+def test_model1_block_stride_below_its_bytes_is_rejected():
+    raw = torch.zeros(3 * 2 * 584, dtype=torch.uint8)
+    short = raw.as_strided((3, 2, 1, 584), (2 * 584 - 8, 584, 584, 1))
+    meta, _ = flash_mla.get_mla_metadata()
+    q = torch.randn(1, 1, 16, 512).to(torch.bfloat16)
+    idx = torch.zeros(1, 1, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="^k_cache: block stride"):
+        flash_mla.flash_mla_with_kvcache(q, short, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
+    with pytest.raises(ValueError, match="^k_cache"):
+        flash_mla.quantize_and_store_kv(torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long), short)
+
+
+# ------------------------------------------------------------------ 6. empty steps
+
+
+@pytest.mark.parametrize("path,interp", _paths())
+@pytest.mark.parametrize("b,s_q", [(0, 2), (3, 0), (0, 0)])
+def test_empty_steps(path, interp, b, s_q, monkeypatch):
+    if interp is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", interp)
+    _, kc = make_cache("V32", 2, 64, seed=1)
+    kc = cache_to(kc, DEVICE)
+    q = torch.randn(b, s_q, 16, 576, device=DEVICE).to(torch.bfloat16)
+    idx = torch.zeros(b, s_q, 64, dtype=torch.int32, device=DEVICE)
+    lens = torch.zeros(b, dtype=torch.int32, device=DEVICE)
+    sink = torch.zeros(16, device=DEVICE)
+    meta, _ = flash_mla.get_mla_metadata()
+    for fn in (
+        lambda: flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx,
+                                                 topk_length=lens, attn_sink=sink),
+        lambda: lib.sparse_decode(q, kc, idx, meta, topk_length=lens, attn_sink=sink),
+    ):
+        out, lse = fn()
+        assert out.shape == (b, s_q, 16, 512) and out.dtype == torch.bfloat16 and out.device == q.device
+        assert lse.shape == (b, 16, s_q) and lse.dtype == torch.float32
+    assert not meta.have_initialized  # nothing was scheduled
+    out, lse = torch.ops.sparse_mla.sparse_decode(
+        q, kc, idx, torch.zeros(1, 8, dtype=torch.int32, device=DEVICE), torch.zeros(b + 1, dtype=torch.int32, device=DEVICE),
+        torch.zeros(b, dtype=torch.int32, device=DEVICE), torch.zeros(b, dtype=torch.int32, device=DEVICE), False, 0.1)
+    assert out.shape == (b, s_q, 16, 512) and lse.shape == (b, 16, s_q)
+    # a bad argument of an empty step is still an error
+    with pytest.raises(ValueError, match="^topk_length"):
+        flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx,
+                                         topk_length=torch.zeros(b + 1, dtype=torch.int32, device=DEVICE))
+
+
+# ------------------------------------------------------------------ 4. the interpreter switch
+
+
+def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full.update(env)
+    full["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")])
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU tensors only")
+def test_interpreter_set_too_late_says_what_to_do():
+    code = """
+import os, torch
+import sparse_mla as flash_mla
+import sparse_mla.ops.sparse_decode  # kernels defined compiled
+from helpers import make_problem
+p = make_problem(b=1, h_q=16, topk=64)
+os.environ["TRITON_INTERPRET"] = "1"
+meta, _ = flash_mla.get_mla_metadata()
+try:
+    flash_mla.flash_mla_with_kvcache(p.q, p.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=p.indices)
+except RuntimeError as e:
+    print("ERR", e)
+"""
+    r = _run(code, {})
+    assert r.returncode == 0, r.stderr
+    assert "ERR TRITON_INTERPRET=1 was set after" in r.stdout and "before Python starts" in r.stdout
+
+
+@pytest.mark.skipif(ON_GPU, reason="the conftest selects the interpreter only without CUDA")
+def test_plain_pytest_runs_the_kernels_on_a_cpu():
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
+         os.path.join(ROOT, "tests", "test_kernels.py") + "::test_lonely_queries"],
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, capture_output=True, text=True,
+        timeout=600, cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 passed" in r.stdout and "skipped" not in r.stdout
+    assert "Triton interpreter on the CPU" in r.stdout
