@@ -1,15 +1,21 @@
-"""The command line: ``sparse-mla demo`` (run in a subprocess: the demo sets TRITON_INTERPRET)."""
+"""The command line: ``sparse-mla demo`` (run in a subprocess: the demo sets TRITON_INTERPRET), and
+what a new user reads before it: the README's install steps, the dependencies, docs/design.md."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import has_triton_ops
 from sparse_mla import cli
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str, env_update: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -95,6 +101,55 @@ def test_demo_without_kernels_says_so():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Triton kernels are not available" in r.stdout and "--reference" in r.stdout
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _requirement(reqs: list[str], name: str):
+    from packaging.requirements import Requirement
+
+    found = [Requirement(r) for r in reqs if Requirement(r).name == name]
+    assert found, f"{name} is not among {reqs}"
+    return found[0]
+
+
+def test_numpy_is_a_runtime_dependency():
+    """Triton's interpreter imports NumPy: a plain `pip install -e .` must bring it."""
+    _requirement(_pyproject()["project"]["dependencies"], "numpy")
+
+
+# what the CUDA builds of torch on PyPI pin (checked with pip's dry-run reports): torch -> triton
+TORCH_TRITON = {"2.11.0": "3.6.0", "2.12.0": "3.7.0", "2.12.1": "3.7.1", "2.13.0": "3.7.1", "2.14.1": "3.8.0",
+                "2.15.0": "3.9.0"}
+
+
+def test_requirements_admit_the_torch_and_triton_we_claim():
+    deps = _pyproject()["project"]["dependencies"]
+    torch_req, triton_req = _requirement(deps, "torch"), _requirement(deps, "triton")
+    for tv, trv in TORCH_TRITON.items():
+        assert torch_req.specifier.contains(tv), (torch_req, tv)
+        assert triton_req.specifier.contains(trv), (triton_req, trv, f"what torch {tv} (CUDA) pins")
+
+
+def _install_section() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_install_works_without_the_ci_pins():
+    """The CPU install must not use .ci/constraints.txt (a CUDA torch + triton conflict off CI) and must
+    take PyTorch's CPU build before the package."""
+    commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", _install_section(), re.S)
+                for line in block.splitlines() if line.strip().startswith("pip ")]
+    assert commands, _install_section()
+    assert not any("constraints" in c or " -c " in c for c in commands), commands
+    cpu = next(i for i, c in enumerate(commands) if "download.pytorch.org/whl/cpu" in c)
+    assert commands[cpu].startswith("pip install torch ")
+    assert any(c.startswith("pip install -e") for c in commands[cpu + 1 :]), commands
+    assert "CI only" in (ROOT / ".ci" / "constraints.txt").read_text()
 
 
 def test_parser():
