@@ -103,6 +103,49 @@ def test_demo_without_kernels_says_so():
     assert "Triton kernels are not available" in r.stdout and "--reference" in r.stdout
 
 
+# a module hidden from a fresh interpreter, as after `pip install -e .` without it
+_HIDE = "import sys; sys.modules[{mod!r}] = None\nfrom sparse_mla.cli import main; sys.exit(main({argv!r}))"
+
+
+def _run_hiding(mod: str, argv: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
+    env.pop("TRITON_INTERPRET", None)  # as a user runs it: the CLI sets it on the CPU
+    code = _HIDE.format(mod=mod, argv=argv)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (Triton's interpreter) needs NumPy")
+def test_demo_without_numpy_says_numpy_and_exits_2():
+    r = _run_hiding("numpy", ["demo", "--device", "cpu"])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "numpy is not installed" in r.stdout and "Triton kernels are not available" in r.stdout
+    header = r.stdout.splitlines()[0]
+    assert "triton unavailable: numpy is not installed" in header, header
+    assert "triton not installed" not in r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (Triton's interpreter) needs NumPy")
+def test_serve_sim_without_numpy_says_numpy_and_exits_2():
+    r = _run_hiding("numpy", ["serve-sim", "--device", "cpu", "--no-progress"])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "numpy is not installed" in r.stderr, r.stderr
+    assert r.stdout == "", r.stdout  # nothing ran
+
+
+def test_demo_without_triton_says_triton():
+    r = _run_hiding("triton", ["demo", "--device", "cpu"])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "triton is not installed" in r.stdout and "triton unavailable" in r.stdout.splitlines()[0]
+
+
+def test_describe_import_error():
+    assert "numpy is not installed" in cli.describe_import_error(ModuleNotFoundError("x", name="numpy"))
+    assert "triton is not installed" in cli.describe_import_error(ModuleNotFoundError("x", name="triton.language"))
+    assert cli.describe_import_error(ImportError("libfoo.so: cannot open")) == "ImportError: libfoo.so: cannot open"
+
+
 def _pyproject() -> dict:
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -142,7 +185,7 @@ def _install_section() -> str:
 def test_readme_install_works_without_the_ci_pins():
     """The CPU install must not use .ci/constraints.txt (a CUDA torch + triton conflict off CI) and must
     take PyTorch's CPU build before the package."""
-    commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", _install_section(), re.S)
+    commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", _install_section(), re.DOTALL)
                 for line in block.splitlines() if line.strip().startswith("pip ")]
     assert commands, _install_section()
     assert not any("constraints" in c or " -c " in c for c in commands), commands
@@ -150,6 +193,29 @@ def test_readme_install_works_without_the_ci_pins():
     assert commands[cpu].startswith("pip install torch ")
     assert any(c.startswith("pip install -e") for c in commands[cpu + 1 :]), commands
     assert "CI only" in (ROOT / ".ci" / "constraints.txt").read_text()
+
+
+def test_no_unexplained_design_or_seed_references(monkeypatch, capsys):
+    """`DESIGN §N` and `seed step N` pointed at files that are not in the repository."""
+    rc, out = _demo_in_process(monkeypatch, capsys)
+    assert rc == 0
+    readme = (ROOT / "README.md").read_text()
+    for text, where in ((out, "demo output"), (readme, "README")):
+        assert "DESIGN §" not in text and not re.search(r"seed step", text, re.IGNORECASE), where
+        assert "docs/design.md" in text, where
+    assert "walkthrough step 3" in out and "FlashMLA's tolerances" in out
+
+
+def test_design_doc_lists_the_walkthrough_steps_and_real_paths():
+    doc = (ROOT / "docs" / "design.md").read_text()
+    steps = [int(m) for m in re.findall(r"^\| (\d+) \|", doc, re.MULTILINE)]
+    assert steps == list(range(20)), steps
+    for sec in ("## 3.", "## 4.", "## 5.", "## 6."):  # the numbers code comments cite as "DESIGN §N"
+        assert sec in doc
+    paths = set(re.findall(r"`((?:ops/)?[a-z_]+\.py)`", doc))
+    assert {"scheduler.py", "kvcache.py", "ops/sparse_decode.py", "ops/combine.py"} <= paths
+    for rel in paths:
+        assert (ROOT / "src" / "sparse_mla" / rel).is_file(), rel
 
 
 def test_parser():
