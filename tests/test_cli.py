@@ -1,15 +1,21 @@
-"""The command line: ``sparse-mla demo`` (run in a subprocess: the demo sets TRITON_INTERPRET)."""
+"""The command line: ``sparse-mla demo`` (run in a subprocess: the demo sets TRITON_INTERPRET), and
+what a new user reads before it: the README's install steps, the dependencies, docs/design.md."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import has_triton_ops
 from sparse_mla import cli
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str, env_update: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -95,6 +101,121 @@ def test_demo_without_kernels_says_so():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Triton kernels are not available" in r.stdout and "--reference" in r.stdout
+
+
+# a module hidden from a fresh interpreter, as after `pip install -e .` without it
+_HIDE = "import sys; sys.modules[{mod!r}] = None\nfrom sparse_mla.cli import main; sys.exit(main({argv!r}))"
+
+
+def _run_hiding(mod: str, argv: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
+    env.pop("TRITON_INTERPRET", None)  # as a user runs it: the CLI sets it on the CPU
+    code = _HIDE.format(mod=mod, argv=argv)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (Triton's interpreter) needs NumPy")
+def test_demo_without_numpy_says_numpy_and_exits_2():
+    r = _run_hiding("numpy", ["demo", "--device", "cpu"])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "numpy is not installed" in r.stdout and "Triton kernels are not available" in r.stdout
+    header = r.stdout.splitlines()[0]
+    assert "triton unavailable: numpy is not installed" in header, header
+    assert "triton not installed" not in r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (Triton's interpreter) needs NumPy")
+def test_serve_sim_without_numpy_says_numpy_and_exits_2():
+    r = _run_hiding("numpy", ["serve-sim", "--device", "cpu", "--no-progress"])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "numpy is not installed" in r.stderr, r.stderr
+    assert r.stdout == "", r.stdout  # nothing ran
+
+
+def test_demo_without_triton_says_triton():
+    r = _run_hiding("triton", ["demo", "--device", "cpu"])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "triton is not installed" in r.stdout and "triton unavailable" in r.stdout.splitlines()[0]
+
+
+def test_describe_import_error():
+    assert "numpy is not installed" in cli.describe_import_error(ModuleNotFoundError("x", name="numpy"))
+    assert "triton is not installed" in cli.describe_import_error(ModuleNotFoundError("x", name="triton.language"))
+    assert cli.describe_import_error(ImportError("libfoo.so: cannot open")) == "ImportError: libfoo.so: cannot open"
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _requirement(reqs: list[str], name: str):
+    from packaging.requirements import Requirement
+
+    found = [Requirement(r) for r in reqs if Requirement(r).name == name]
+    assert found, f"{name} is not among {reqs}"
+    return found[0]
+
+
+def test_numpy_is_a_runtime_dependency():
+    """Triton's interpreter imports NumPy: a plain `pip install -e .` must bring it."""
+    _requirement(_pyproject()["project"]["dependencies"], "numpy")
+
+
+# what the CUDA builds of torch on PyPI pin (checked with pip's dry-run reports): torch -> triton
+TORCH_TRITON = {"2.11.0": "3.6.0", "2.12.0": "3.7.0", "2.12.1": "3.7.1", "2.13.0": "3.7.1", "2.14.1": "3.8.0",
+                "2.15.0": "3.9.0"}
+
+
+def test_requirements_admit_the_torch_and_triton_we_claim():
+    deps = _pyproject()["project"]["dependencies"]
+    torch_req, triton_req = _requirement(deps, "torch"), _requirement(deps, "triton")
+    for tv, trv in TORCH_TRITON.items():
+        assert torch_req.specifier.contains(tv), (torch_req, tv)
+        assert triton_req.specifier.contains(trv), (triton_req, trv, f"what torch {tv} (CUDA) pins")
+
+
+def _install_section() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_install_works_without_the_ci_pins():
+    """The CPU install must not use .ci/constraints.txt (a CUDA torch + triton conflict off CI) and must
+    take PyTorch's CPU build before the package."""
+    commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", _install_section(), re.DOTALL)
+                for line in block.splitlines() if line.strip().startswith("pip ")]
+    assert commands, _install_section()
+    assert not any("constraints" in c or " -c " in c for c in commands), commands
+    cpu = next(i for i, c in enumerate(commands) if "download.pytorch.org/whl/cpu" in c)
+    assert commands[cpu].startswith("pip install torch ")
+    assert any(c.startswith("pip install -e") for c in commands[cpu + 1 :]), commands
+    assert "CI only" in (ROOT / ".ci" / "constraints.txt").read_text()
+
+
+def test_no_unexplained_design_or_seed_references(monkeypatch, capsys):
+    """`DESIGN §N` and `seed step N` pointed at files that are not in the repository."""
+    rc, out = _demo_in_process(monkeypatch, capsys)
+    assert rc == 0
+    readme = (ROOT / "README.md").read_text()
+    for text, where in ((out, "demo output"), (readme, "README")):
+        assert "DESIGN §" not in text and not re.search(r"seed step", text, re.IGNORECASE), where
+        assert "docs/design.md" in text, where
+    assert "walkthrough step 3" in out and "FlashMLA's tolerances" in out
+
+
+def test_design_doc_lists_the_walkthrough_steps_and_real_paths():
+    doc = (ROOT / "docs" / "design.md").read_text()
+    steps = [int(m) for m in re.findall(r"^\| (\d+) \|", doc, re.MULTILINE)]
+    assert steps == list(range(20)), steps
+    for sec in ("## 3.", "## 4.", "## 5.", "## 6."):  # the numbers code comments cite as "DESIGN §N"
+        assert sec in doc
+    paths = set(re.findall(r"`((?:ops/)?[a-z_]+\.py)`", doc))
+    assert {"scheduler.py", "kvcache.py", "ops/sparse_decode.py", "ops/combine.py"} <= paths
+    for rel in paths:
+        assert (ROOT / "src" / "sparse_mla" / rel).is_file(), rel
 
 
 def test_parser():

@@ -3,7 +3,8 @@
 Step by step: each step's decode output equals the fp32 reference on the same cache state, each
 appended token's bytes equal ``quantize_k_cache`` of its values, the top-k indices are distinct
 positions of the request's own blocks, blocks are allocated as contexts grow, and after N steps
-every byte of the cache outside the appended slots is what the prefill left there.
+every byte of the cache outside the appended slots is what the prefill left there. The command
+line: usage errors exit 2 with one line and no traceback, before anything runs.
 """
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ from helpers import check_decode_close
 from sparse_mla.reference import sparse_decode_reference
 from sparse_mla.serve_sim import ServeSim, ServeSimConfig, default_config
 
-pytestmark = pytest.mark.skipif(
+# for tests that run the kernels in this process (the CLI tests start their own and need no mark)
+needs_kernels = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1",
     reason="kernels need a GPU or TRITON_INTERPRET=1 (set before starting pytest)",
 )
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@needs_kernels
 @pytest.mark.parametrize("layout,cache_dtype", [("V32", "fp8"), ("MODEL1", "uint8")])
 def test_steps_match_references(layout, cache_dtype):
     # short contexts (some below topk, padded with -1) crossing page blocks of 4 during the steps
@@ -86,6 +89,7 @@ def test_steps_match_references(layout, cache_dtype):
     assert torch.equal(final[untouched], after_prefill[untouched])
 
 
+@needs_kernels
 def test_run_reports_latency_and_passes_its_check():
     cfg = default_config("cpu", steps=3, batch=2, max_context=200, seed=1)
     res = ServeSim(cfg, DEV).run(progress=False)
@@ -96,15 +100,19 @@ def test_run_reports_latency_and_passes_its_check():
     assert res["final_context_max"] == 200 and res["graph"] is (DEV == "cuda")
 
 
-def test_cli_serve_sim(tmp_path):
-    out = tmp_path / "res.json"
+def _serve_sim(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, COLUMNS="150", NO_COLOR="1")
     env.pop("TRITON_INTERPRET", None)  # the CLI sets it itself on the CPU
-    r = subprocess.run(
-        [sys.executable, "-m", "sparse_mla", "serve-sim", "--device", "cpu", "--steps", "2", "--batch", "2",
-         "--max-context", "128", "--topk", "64", "--layout", "MODEL1", "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=300,
+    return subprocess.run(
+        [sys.executable, "-m", "sparse_mla", "serve-sim", *args], capture_output=True, text=True, env=env,
+        timeout=timeout,
     )
+
+
+def test_cli_serve_sim(tmp_path):
+    out = tmp_path / "res.json"
+    r = _serve_sim("--device", "cpu", "--steps", "2", "--batch", "2", "--max-context", "128", "--topk", "64",
+                   "--layout", "MODEL1", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     for fact in ("tokens/s", "p50", "p90", "p99", "PASS", "Triton interpreter", "2/2"):
         assert fact in r.stdout, fact
@@ -125,3 +133,73 @@ def test_config_errors():
         ServeSim(ServeSimConfig(layout="V4"), "cpu")
     with pytest.raises(RuntimeError, match="prefill"):
         ServeSim(ServeSimConfig(), "cpu").step()
+
+
+def test_cli_no_numpy_warnings_for_blocks_without_valid_keys():
+    """topk 256 over contexts of 8..128 tokens: whole 64-index blocks of -1, which Triton's interpreter
+    evaluates through NumPy (-inf - -inf); its RuntimeWarnings must not reach the user."""
+    r = _serve_sim("--device", "cpu", "--steps", "1", "--batch", "2", "--max-context", "128", "--min-context", "8",
+                   "--topk", "256", "--h-q", "16", "--no-progress")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASS" in r.stdout
+    assert "Warning" not in r.stderr and "Warning" not in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("args,option", [
+    (["--batch", "0"], "--batch"),
+    (["--topk", "-5"], "--topk"),
+    (["--h-q", "300"], "--h-q"),
+    (["--steps", "0"], "--steps"),
+    (["--max-context", "40", "--min-context", "38"], "--max-context"),
+    (["--min-context", "0"], "--min-context"),
+    (["--page-block-size", "0"], "--page-block-size"),
+    (["--num-sms", "0"], "--num-sms"),
+    (["--seed", "-1"], "--seed"),
+])
+def test_cli_usage_errors_exit_2_in_one_line(monkeypatch, capsys, args, option):
+    from sparse_mla import cli
+
+    # the CLI sets TRITON_INTERPRET on the CPU: keep this process's value afterwards
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
+    rc = cli.main(["serve-sim", "--device", "cpu", "--no-progress", *args])
+    cap = capsys.readouterr()
+    assert rc == 2, cap.out + cap.err
+    assert cap.out == ""
+    lines = cap.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"sparse-mla serve-sim: error: {option}:"), cap.err
+
+
+def test_cli_argparse_errors_exit_2():
+    r = _serve_sim("--batch", "two")
+    assert r.returncode == 2 and "invalid int value" in r.stderr, r.stderr
+    r = _serve_sim("--batch", "0")  # ours, through the entry point: the same status, no traceback
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--batch" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("where", ["missing_dir", "under_a_file", "a_directory"])
+def test_cli_unwritable_json_fails_before_the_simulation(tmp_path, where):
+    (tmp_path / "f").write_text("x")
+    path = {"missing_dir": tmp_path / "no" / "res.json", "under_a_file": tmp_path / "f" / "res.json",
+            "a_directory": tmp_path}[where]
+    r = _serve_sim("--device", "cpu", "--no-progress", "--json", str(path), timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("sparse-mla serve-sim: error: --json:") and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stdout == ""  # no header, no steps: it stopped before the run
+
+
+def test_json_path_problem_leaves_no_file(tmp_path):
+    from sparse_mla.serve_sim import json_path_problem
+
+    new = tmp_path / "new.json"
+    assert json_path_problem(str(new)) is None and not new.exists()
+    old = tmp_path / "old.json"
+    old.write_text("keep")
+    assert json_path_problem(str(old)) is None and old.read_text() == "keep"
+    assert "directory" in json_path_problem(str(tmp_path))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cli_cuda_without_cuda_exits_2():
+    r = _serve_sim("--device", "cuda", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--device cuda" in r.stderr, r.stderr

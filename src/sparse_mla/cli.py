@@ -1,18 +1,19 @@
-"""Command line of sparse_mla: ``sparse-mla demo`` (also ``python -m sparse_mla demo``).
+"""Command line of sparse_mla: ``sparse-mla demo`` and ``sparse-mla serve-sim``.
 
-Subcommands live in :data:`COMMANDS`; ``demo`` is the only one so far (``bench``, ``check`` and
-``serve-sim`` are planned). ``demo`` walks the seed's worked example end to end, every number
-coming from the library's code:
+Subcommands live in :data:`COMMANDS`. ``demo`` walks the worked example of the FlashMLA sparse
+decode walkthrough end to end, every number coming from the library's code (the walkthrough's
+numbered steps, and where each lives in this code, are listed in ``docs/design.md``):
 
-a. the DeepSeek-V3.2 attention config and the kernel's dimensions;
-b. one token quantised into its 656-byte V32 record (and the MODEL1 layout's size);
-c. the tile scheduler's partitions for 132 SMs, b=2, s_q=1, h_q=128, topk=128;
+a. the DeepSeek-V3.2 attention config and the kernel's dimensions (walkthrough step 0);
+b. one token quantised into its 656-byte V32 record, and the MODEL1 layout's size (step 4);
+c. the tile scheduler's partitions for 132 SMs, b=2, s_q=1, h_q=128, topk=128 (step 3);
 d. a sparse decode through :func:`sparse_mla.flash_mla_with_kvcache`, checked against the fp32
-   reference with FlashMLA's tolerances (DESIGN §6);
-e. the combine step's weights for split LSEs 4.2, 3.8, 2.1 (log2 space).
+   reference with FlashMLA's own test tolerances (docs/design.md, section 6);
+e. the combine step's weights for split LSEs 4.2, 3.8, 2.1, log2 space (step 16).
 
 Exit status: 0 when every check of (d) passes, 1 when one fails, 2 when the decode could not
-run (the Triton kernels are missing: use ``--reference``).
+run (the Triton kernels cannot be imported -- the message says why -- or ``--device cuda``
+without CUDA; ``--reference`` runs the PyTorch path instead) and for usage errors.
 
 The Triton interpreter must be chosen before Triton compiles anything, so this module imports
 nothing from Triton or ``sparse_mla.ops`` at import time; ``demo`` sets ``TRITON_INTERPRET=1``
@@ -31,19 +32,25 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from rich.console import Console
 
-__all__ = ["main", "build_parser", "COMMANDS"]
+__all__ = [
+    "main", "build_parser", "COMMANDS", "describe_import_error", "kernel_import_error", "quiet_interpreter",
+    "triton_version",
+]
 
-# the seed's worked example (DESIGN §5, seed steps 0-3)
+# the walkthrough's worked example (docs/design.md: section 5, walkthrough steps 0-3)
 SEED_B, SEED_S_Q, SEED_H_Q, SEED_TOPK, SEED_PAGE_BLOCK = 2, 1, 128, 128, 64
 SEED_NUM_SMS = 132
-SEED_NUM_BLOCKS = 160  # 10,240 cache slots: the seed's indices go up to token 8821
+SEED_NUM_BLOCKS = 160  # 10,240 cache slots: the walkthrough's indices go up to token 8821
 SEED_COMBINE_LSE = (4.2, 3.8, 2.1)
 
-# DESIGN §6: FlashMLA's test tolerances against the fp32 reference
+# FlashMLA's test tolerances against the fp32 reference (docs/design.md, section 6)
 OUT_ABS_TOL, OUT_REL_TOL, COS_DIST_TOL = 1e-3, 2.01 / 128, 5e-6
 LSE_ABS_TOL, LSE_REL_TOL = 1e-6, 8 / 65536
 
 KERNEL_MODULE = "sparse_mla.ops.sparse_decode"
+
+#: where the walkthrough's step numbers and the tolerances are explained (shipped in the repository)
+DESIGN_DOC = "docs/design.md"
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,6 +117,57 @@ def _diff(a: "torch.Tensor", b: "torch.Tensor") -> "torch.Tensor":
     return torch.where(a == b, torch.zeros_like(a), (a - b).abs())
 
 
+def describe_import_error(e: ImportError) -> str:
+    """The real cause of a failed kernel import, in words (``numpy is not installed ...``)."""
+    root = (getattr(e, "name", None) or "").split(".")[0]
+    if isinstance(e, ModuleNotFoundError) and root == "numpy":
+        return "numpy is not installed; Triton's interpreter (the CPU path) needs it: pip install numpy"
+    if isinstance(e, ModuleNotFoundError) and root == "triton":
+        return "triton is not installed: pip install 'triton>=3.6'"
+    return f"{type(e).__name__}: {e}"
+
+
+def kernel_import_error(modules: Sequence[str] = (KERNEL_MODULE,)) -> Optional[str]:
+    """Import the kernel modules; ``None`` when they import, else why they cannot (for the user).
+
+    Call it after ``TRITON_INTERPRET`` has been decided: with ``TRITON_INTERPRET=1`` Triton
+    imports NumPy, without it Triton does not.
+    """
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            return describe_import_error(e)
+    return None
+
+
+def triton_version() -> str:
+    """``triton.__version__``, or ``unavailable: <the real cause>``."""
+    try:
+        import triton
+    except ImportError as e:
+        return f"unavailable: {describe_import_error(e)}"
+    return str(triton.__version__)
+
+
+@contextlib.contextmanager
+def quiet_interpreter() -> Iterator[None]:
+    """Silence NumPy's floating-point warnings while Triton's interpreter runs kernels.
+
+    The interpreter executes kernels through NumPy, so masked-out work (a query or a block with
+    no valid key: ``-inf - -inf``, ``log2(0)``) raises ``RuntimeWarning: invalid value
+    encountered ...`` that compiled kernels never show; the results are right (the kernels select
+    around those lanes). Used by the CLI around kernel calls only, never at library import.
+    """
+    try:
+        import numpy as np
+    except ImportError:
+        yield
+        return
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
+        yield
+
+
 # --------------------------------------------------------------------------------------------
 # demo sections
 
@@ -119,7 +177,7 @@ def _section_config(console: "Console") -> None:
 
     from .kvcache import V32
 
-    console.rule("[bold]a. DeepSeek-V3.2 attention config -> kernel dimensions (seed step 0)")
+    console.rule("[bold]a. DeepSeek-V3.2 attention config -> kernel dimensions (walkthrough step 0, docs/design.md)")
     t = Table(show_lines=False)
     t.add_column("config.json")
     t.add_column("value", justify="right")
@@ -144,10 +202,10 @@ def _section_token(console: "Console", seed: int) -> None:
 
     from .kvcache import MODEL1, V32, dequantize_k_cache, quantize_k_cache
 
-    console.rule("[bold]b. One token in the FP8 cache: V32 layout, 656 bytes (seed step 4)")
+    console.rule("[bold]b. One token in the FP8 cache: V32 layout, 656 bytes (walkthrough step 4)")
     g = torch.Generator().manual_seed(seed)
     tok = torch.empty(V32.d_qk)
-    # tile 0 as in the seed: [0.25, -0.5, 0.125, 0.75, ...] with max |x| = 0.75
+    # tile 0 as in the walkthrough: [0.25, -0.5, 0.125, 0.75, ...] with max |x| = 0.75
     tok[0:128] = (torch.rand(128, generator=g) * 2 - 1) * 0.7
     tok[0:4] = torch.tensor([0.25, -0.5, 0.125, 0.75])
     for t_i, amax in ((1, 3.0), (2, 100.0), (3, 0.01)):  # other tiles: other scales, one below the floor
@@ -236,7 +294,7 @@ def _section_schedule(console: "Console") -> Any:
     from .scheduler import FIXED_OVERHEAD_NUM_BLOCKS, META_FIELDS, batch_num_blocks, compute_num_sm_parts, schedule
 
     b, s_q, h_q, topk = SEED_B, SEED_S_Q, SEED_H_Q, SEED_TOPK
-    console.rule(f"[bold]c. Tile scheduler: {SEED_NUM_SMS} SMs, b={b}, s_q={s_q}, h_q={h_q}, topk={topk} (seed step 3)")
+    console.rule(f"[bold]c. Tile scheduler: {SEED_NUM_SMS} SMs, b={b}, s_q={s_q}, h_q={h_q}, topk={topk} (walkthrough step 3)")
     hpc = heads_per_cta(h_q)
     parts = compute_num_sm_parts(SEED_NUM_SMS, s_q, h_q, hpc)
     main_blocks, num_blocks = batch_num_blocks(b, topk)
@@ -267,7 +325,7 @@ def _section_schedule(console: "Console") -> Any:
     split = [i for i in range(b) if table.num_splits[i + 1] - table.num_splits[i] > 1]
     if split:
         console.print(
-            f"[dim]batches {split} are split, so the combine step runs (the seed's step 16 says this example "
+            f"[dim]batches {split} are split, so the combine step runs (the walkthrough's step 16 says this example "
             f"has one split per batch; its step 3, like this table, gives two).[/dim]"
         )
     return table
@@ -300,13 +358,12 @@ def _section_decode(console: "Console", args: argparse.Namespace, device: "torch
     console.print(f"path: [bold]{path}[/bold]    device: [bold]{device}[/bold] ({dev_name})")
 
     if uses_triton:
-        try:
-            importlib.import_module(KERNEL_MODULE)
-        except ModuleNotFoundError as e:
-            if not (e.name or "").startswith("sparse_mla.ops"):
-                raise
+        why = kernel_import_error()
+        if why is not None:
+            from rich.markup import escape
+
             console.print(
-                f"[bold red]error:[/bold red] the Triton kernels are not available ({e}); "
+                f"[bold red]error:[/bold red] the Triton kernels are not available: {escape(why)}; "
                 "run `sparse-mla demo --reference` for the PyTorch path."
             )
             return 2
@@ -339,7 +396,7 @@ def _section_decode(console: "Console", args: argparse.Namespace, device: "torch
             f"tile_scheduler_metadata=get_mla_metadata(num_sms={SEED_NUM_SMS})[0], is_fp8_kvcache=True, indices=indices)"
         )
         ctx = _env("TRITON_INTERPRET", "0") if (args.reference and device.type == "cpu") else contextlib.nullcontext()
-        with ctx:
+        with ctx, quiet_interpreter():
             out, lse = sparse_mla.flash_mla_with_kvcache(
                 q, k_cache, None, None, head_dim_v=d_v, tile_scheduler_metadata=sched_meta,
                 is_fp8_kvcache=True, indices=indices,
@@ -385,7 +442,7 @@ def _section_decode(console: "Console", args: argparse.Namespace, device: "torch
     t = Table(title="against reference.sparse_decode_reference (fp32, same dequantised cache)")
     t.add_column("check")
     t.add_column("value", justify="right")
-    t.add_column("bound (DESIGN §6)")
+    t.add_column("bound (FlashMLA's tolerances)")
     t.add_column("")
     for what, val, bnd, ok in checks:
         t.add_row(what, val, bnd, "" if ok is None else "[green]ok[/green]" if ok else "[red]FAIL[/red]")
@@ -398,7 +455,7 @@ def _section_decode(console: "Console", args: argparse.Namespace, device: "torch
         head = ", ".join(f"{v:.4f}" for v in out[0, 0, 0, :4].float().tolist())
         console.print(
             f"out[0, 0, 0, :4] = [{head}, ...]   lse[0, 0, 0] = {lse[0, 0, 0].item():.4f}  "
-            "[dim](seed step 19 prints 0.1931, ... / 4.538 for its own inputs)[/dim]"
+            "[dim](walkthrough step 19 prints 0.1931, ... / 4.538 for its own inputs)[/dim]"
         )
     passed = all(ok is not False for *_, ok in checks)
     console.print("[bold green]PASS[/bold green]" if passed else "[bold red]FAIL[/bold red]")
@@ -411,7 +468,7 @@ def _section_combine(console: "Console") -> None:
 
     from .reference import LOG2E, combine_weights
 
-    console.rule("[bold]e. Combine: merging 3 splits by their log2-space LSE (seed step 16)")
+    console.rule("[bold]e. Combine: merging 3 splits by their log2-space LSE (walkthrough step 16)")
     lse2 = torch.tensor(SEED_COMBINE_LSE, dtype=torch.float64)
     w, tot = combine_weights(lse2)
     m = lse2.max().item()
@@ -429,7 +486,7 @@ def _section_combine(console: "Console") -> None:
         f"lse = (log2 Σw + max) / log2(e) = {lse_nat:.4f} (natural log)"
     )
     console.print(
-        "[dim]note: the seed prints 0.1353 and 1.8932 for the third weight and the sum, an arithmetic slip: "
+        "[dim]note: the walkthrough prints 0.1353 and 1.8932 for the third weight and the sum, an arithmetic slip: "
         "0.1353 = e^-2, while 2^(2.1 − 4.2) = 0.2333.[/dim]"
     )
 
@@ -451,7 +508,7 @@ def _pick_device(choice: str) -> "torch.device":
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Walk the seed's worked example; 0 = PASS, 1 = FAIL, 2 = could not run."""
+    """Walk the walkthrough's worked example; 0 = PASS, 1 = FAIL, 2 = could not run."""
     device = _pick_device(args.device)
     if device.type == "cpu" and not args.reference:
         # before anything imports triton or sparse_mla.ops: run the kernels in the interpreter
@@ -461,15 +518,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import sparse_mla
 
     console = _make_console()
-    try:
-        import triton
-
-        tv = triton.__version__
-    except ImportError:  # pragma: no cover - triton is a dependency
-        tv = "not installed"
     console.print(
-        f"[bold]sparse_mla {sparse_mla.__version__}[/bold] demo: the seed's worked example, end to end  "
-        f"(torch {torch.__version__}, triton {tv})"
+        f"[bold]sparse_mla {sparse_mla.__version__}[/bold] demo: the worked example of FlashMLA's sparse decode "
+        f"walkthrough, end to end  (torch {torch.__version__}, triton {triton_version()})"
+    )
+    console.print(
+        f"[dim]Step numbers are the walkthrough's; {DESIGN_DOC} in the repository lists them, where each lives "
+        "in the code, and the contract and tolerances the checks use.[/dim]"
     )
     _section_config(console)
     _section_token(console, args.seed)
@@ -488,7 +543,13 @@ def cmd_serve_sim(args: argparse.Namespace) -> int:
 
 #: subcommand name -> (help, handler); bench / check / serve-sim are planned
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
-    "demo": ("walk the seed's worked example end to end (config, FP8 token, scheduler, decode, combine)", cmd_demo),
+    "demo": (
+        (
+            "walk the worked example of FlashMLA's sparse decode end to end (config, FP8 token, scheduler, "
+            "decode, combine; step numbers: docs/design.md)"
+        ),
+        cmd_demo,
+    ),
     "serve-sim": (
         "decode-loop simulation: paged FP8 cache write, index conversion, sparse decode in a CUDA graph",
         cmd_serve_sim,

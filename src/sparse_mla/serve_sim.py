@@ -28,7 +28,7 @@ every context is ``>= topk`` (the normal case at DeepSeek-V3.2 sizes).
 Per-step latency is measured around each replay (CUDA events, or wall-clock on the CPU, with a
 device synchronisation per step), and tokens/s = ``B / latency``. At the end the last step is
 checked: its decode output against :func:`sparse_mla.reference.sparse_decode_reference` on the same
-cache (DESIGN §6 tolerances) and the appended tokens' cache bytes against
+cache (FlashMLA's own test tolerances, docs/design.md section 6) and the appended tokens' cache bytes against
 :func:`sparse_mla.kvcache.quantize_k_cache`.
 
 The Triton kernels are imported lazily, so the CLI can set ``TRITON_INTERPRET=1`` first on a
@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -49,14 +50,17 @@ import torch
 from .interface import get_mla_metadata
 from .kvcache import get_layout, quantize_k_cache
 
-__all__ = ["ServeSimConfig", "ServeSim", "default_config", "add_arguments", "cli_main", "CPU_DEFAULTS", "GPU_DEFAULTS"]
+__all__ = [
+    "ServeSimConfig", "ServeSim", "default_config", "add_arguments", "cli_main", "json_path_problem", "CPU_DEFAULTS",
+    "GPU_DEFAULTS",
+]
 
 #: tiny sizes for the CPU (Triton interpreter): seconds
 CPU_DEFAULTS = dict(batch=2, topk=64, max_context=256, steps=4, h_q=16, page_block_size=64)
 #: DeepSeek-V3.2 decode sizes for a GPU
 GPU_DEFAULTS = dict(batch=64, topk=2048, max_context=32768, steps=200, h_q=128, page_block_size=64)
 
-# DESIGN §6 tolerances of the final check
+# FlashMLA's test tolerances (docs/design.md, section 6) for the final check
 _OUT_ABS, _OUT_REL, _COS = 1e-3, 2.01 / 128, 5e-6
 _LSE_ABS, _LSE_REL = 1e-6, 8 / 65536
 
@@ -100,7 +104,7 @@ class ServeSimConfig:
         for name in ("batch", "topk", "max_context", "steps", "page_block_size", "h_q", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and name != "seed") or v < 0:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+                raise ValueError(f"{name}: expected a {'non-negative' if name == 'seed' else 'positive'} int, got {v!r}")
         if self.h_q > 128:
             raise ValueError(f"h_q: must be <= 128, got {self.h_q}")
         get_layout(self.layout)
@@ -418,7 +422,7 @@ class ServeSim:
     def check_last_step(self) -> dict:
         """Compare the last step with the references.
 
-        Returns a dict: ``decode_ok`` (out/lse within DESIGN §6 of
+        Returns a dict: ``decode_ok`` (out/lse within FlashMLA's tolerances, docs/design.md §6, of
         :func:`~sparse_mla.reference.sparse_decode_reference` on the same cache and indices),
         ``out_max_abs_err``, ``out_cos_dist``, ``lse_max_abs_err``, ``store_ok`` (the last appended
         tokens' bytes equal :func:`~sparse_mla.kvcache.quantize_k_cache` of their values),
@@ -515,14 +519,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results (and every step's latency) as JSON")
 
 
+#: the modules a simulation step imports (each needs Triton; on the CPU Triton's interpreter needs NumPy)
+KERNEL_MODULES = ("sparse_mla.ops.sparse_decode", "sparse_mla.ops.store_kv", "sparse_mla.ops.index_convert")
+
+
+def _error(msg: str) -> int:
+    """Print a one-line error the way argparse does; exit status 2 (usage error / cannot run)."""
+    print(f"sparse-mla serve-sim: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def json_path_problem(path: str) -> Optional[str]:
+    """``None`` when ``--json PATH`` can be written, else why not; leaves no new file behind.
+
+    Checked before the simulation, so that a typo does not cost a whole run.
+    """
+    if os.path.isdir(path):
+        return f"{path!r} is a directory"
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return f"cannot write {path!r}: {e.strerror or e}"
+    if not existed:
+        try:
+            os.unlink(path)
+        except OSError:  # pragma: no cover - we just made it
+            pass
+    return None
+
+
 def cli_main(args: argparse.Namespace) -> int:
-    """Run ``sparse-mla serve-sim``; exit status 0 = ran and the check passed, 1 = check failed."""
+    """Run ``sparse-mla serve-sim``.
+
+    Exit status: 0 = ran and the final check passed, 1 = the check failed, 2 = a usage error (bad
+    size, unwritable ``--json`` path, ``--device cuda`` without CUDA) or the kernels cannot be
+    imported (the message says why); all found before the simulation starts.
+    """
+    from .cli import kernel_import_error, quiet_interpreter
+
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("sparse-mla serve-sim: error: --device cuda, but torch.cuda.is_available() is False")
+        return _error("--device cuda, but torch.cuda.is_available() is False")
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
     from rich.console import Console
@@ -535,9 +577,22 @@ def cli_main(args: argparse.Namespace) -> int:
         check=not args.no_check,
     )
     try:
+        cfg.validate()
+    except ValueError as e:  # "batch: ..." -> "--batch: ...": name the option the user typed
+        field_name, sep, rest = str(e).partition(": ")
+        opt = "--" + field_name.replace("_", "-")
+        return _error(f"{opt}: {rest}" if sep and field_name in ServeSimConfig.__dataclass_fields__ else str(e))
+    if args.json is not None:
+        why = json_path_problem(args.json)
+        if why is not None:
+            return _error(f"--json: {why}")
+    why = kernel_import_error(KERNEL_MODULES)
+    if why is not None:
+        return _error(f"the Triton kernels are not available: {why}")
+    try:
         sim = ServeSim(cfg, device)
     except ValueError as e:
-        raise SystemExit(f"sparse-mla serve-sim: error: {e}")
+        return _error(str(e))
     console = Console(highlight=False)
     if not console.is_terminal and console.width < 110:
         console = Console(highlight=False, width=110)
@@ -548,7 +603,8 @@ def cli_main(args: argparse.Namespace) -> int:
         f"{cfg.cache_dtype} cache, page_block_size={cfg.page_block_size}, contexts {cfg.resolved_min_context()}.."
         f"{cfg.max_context} (growing), {cfg.steps} steps on {device} ({path})"
     )
-    res = sim.run(progress=not args.no_progress, console=console)
+    with quiet_interpreter():  # NumPy's warnings for masked-out lanes in the interpreter; see cli.quiet_interpreter
+        res = sim.run(progress=not args.no_progress, console=console)
     t = Table(title="decode loop (store + index conversion + sparse decode per step)")
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -567,8 +623,11 @@ def cli_main(args: argparse.Namespace) -> int:
         t.add_row("appended tokens' bytes = quantize_k_cache", "ok" if c["store_ok"] else "FAIL")
         t.add_row("indices distinct, in own blocks", "ok" if c["indices_ok"] else "FAIL")
     console.print(t)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
     console.print("[bold green]PASS[/bold green]" if ok else "[bold red]FAIL[/bold red]")
+    if args.json is not None:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        except OSError as e:  # checked before the run; only a change since then gets here
+            return _error(f"--json: cannot write {args.json!r}: {e.strerror or e}")
     return 0 if ok else 1
