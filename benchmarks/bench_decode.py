@@ -22,7 +22,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import sparse_mla as flash_mla  # noqa: E402
-from sparse_mla.kvcache import get_layout  # noqa: E402
+from sparse_mla import get_layout  # noqa: E402
 
 # (b, h_q, s_q, topk, d_qk, FlashMLA µs on the lent H200 or None)
 SHAPES = [

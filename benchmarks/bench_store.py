@@ -1,4 +1,4 @@
-"""Fused quantise-and-store benchmark (``sparse_mla.ops.store_kv``): GB/s against the HBM ceiling.
+"""Fused quantise-and-store benchmark (``sparse_mla.serving.store``): GB/s against the HBM ceiling.
 
 For each layout, token count ``n`` (decode batches up to prefill chunks), slot pattern (``random``:
 distinct random slots of a pool twice the size, like a decode step over many requests;
@@ -21,8 +21,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from sparse_mla.kvcache import get_layout  # noqa: E402
-from sparse_mla.ops.store_kv import quantize_and_store_kv  # noqa: E402
+from sparse_mla import get_layout, quantize_and_store_kv  # noqa: E402
 from sparse_mla.reference import quantize_and_store_kv_reference  # noqa: E402
 
 PBS = 64

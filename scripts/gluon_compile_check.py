@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 scripts/gluon_compile_check.py [--sink] [--topk-len] [--pbs 61] [--dump DIR]
 
-Compiles ``sparse_mla.ops.sparse_decode_gluon._sparse_decode_gluon_kernel`` for sm_90a
+Compiles ``sparse_mla.decode.hopper._sparse_decode_gluon_kernel`` for sm_90a
 (``GPUTarget("cuda", 90, 32)``), prints Triton's register/smem numbers, assembles the PTX with the
 ptxas shipped with Triton (``-arch=sm_90a -v``: registers, spills per kernel) and counts HGMMA /
 mbarrier / setmaxnreg instructions in the SASS (``cuobjdump -sass``). Exit code 1 if something
@@ -24,11 +24,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from sparse_mla.ops import sparse_decode_gluon as sdg  # noqa: E402
+from sparse_mla.decode import hopper as sdg  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = {
-    "q_ptr": "*bf16", "kv_ptr": "*u8", "idx_ptr": "*i32", "tl_ptr": "*i32", "sink_ptr": "*fp32",
+    "q_ptr": "*bf16", "kv_ptr": "*u8", "idx_ptr": "*i32", "topk_len_ptr": "*i32", "sink_ptr": "*fp32",
     "meta_ptr": "*i32", "nsplit_ptr": "*i32", "mainblk_ptr": "*i32", "nblk_ptr": "*i32",
     "out_ptr": "*bf16", "lse_ptr": "*fp32", "oacc_ptr": "*fp32", "lacc_ptr": "*fp32",
 }
@@ -42,8 +42,8 @@ def compile_kernel(has_sink: bool, has_topk_len: bool, pbs_pow2: bool, pbs_log2:
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
     consts = dict(HAS_TOPK_LEN=has_topk_len, HAS_SINK=has_sink, PBS_POW2=pbs_pow2, PBS_LOG2=pbs_log2,
-                  PRODUCER_WARPS_=sdg.PRODUCER_WARPS, PRODUCER_REGS_=producer_regs,
-                  PROFILE_=sdg.PROFILE)
+                  PRODUCER_WARPS=sdg.HopperConfig().producer_warps, PRODUCER_REGS=producer_regs,
+                  PROFILE=sdg.PROFILE_OFF)
     sig = {}
     for n in names:
         if n in PTRS:
@@ -99,8 +99,8 @@ def main() -> int:
     ap.add_argument("--sink", action="store_true")
     ap.add_argument("--topk-len", action="store_true")
     ap.add_argument("--pbs", type=int, default=64)
-    ap.add_argument("--producer-regs", type=int, default=sdg.PRODUCER_REGS)
-    ap.add_argument("--maxnreg", type=int, default=sdg.MAXNREG)
+    ap.add_argument("--producer-regs", type=int, default=sdg.HopperConfig().producer_regs)
+    ap.add_argument("--maxnreg", type=int, default=sdg.HopperConfig().maxnreg)
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass")
     ap.add_argument("--max-spill", type=int, default=256,
                     help="spill bytes tolerated (ptxas total; the per-region SASS table shows where they are)")

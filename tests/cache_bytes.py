@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_mla.kvcache import quantize_k_cache
+from sparse_mla import quantize_k_cache
 
 
 def storage_bytes(k_cache: torch.Tensor) -> torch.Tensor:

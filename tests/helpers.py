@@ -1,97 +1,25 @@
 """Shared helpers of the test suite (random caches and problems, the FlashMLA tolerance check).
 
 Import from a test file with ``from helpers import ...`` (``tests/conftest.py`` puts this folder
-on ``sys.path``). Kernel tests reuse :func:`make_problem` and :func:`check_decode_close`.
+on ``sys.path``). Kernel tests reuse :func:`make_problem` and :func:`sparse_mla.testing.check_decode_close`.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from sparse_mla.kvcache import get_layout, quantize_k_cache
+from sparse_mla.formats import get_layout, quantize_k_cache
+from sparse_mla.testing import check_decode_close, cos_diff  # noqa: F401  (re-exported for the tests)
 
-# DESIGN §6: the tolerances FlashMLA's own tests use against an fp32 reference.
-OUT_ABS_TOL = 1e-3
-OUT_REL_TOL = 2.01 / 128
-LSE_ABS_TOL = 1e-6
-LSE_REL_TOL = 8 / 65536
-COS_DIFF_TOL = 5e-6
-
-
-def has_triton_ops() -> bool:
-    """True when the Triton decode kernel module exists (it is written separately)."""
-    try:
-        return importlib.util.find_spec("sparse_mla.ops.sparse_decode") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def triton_interpret_enabled() -> bool:
     """``TRITON_INTERPRET=1`` at start-up: ``triton.jit`` reads it when a kernel is *decorated*,
     so setting it inside a test is too late for a module already imported."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def cos_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """FlashMLA's cosine distance ``1 - 2<x,y> / (|x|^2 + |y|^2)`` in float64 (0 for ~zero ref)."""
-    x, y = x.double(), y.double()
-    if (y * y).sum().item() < 1e-12 and (x * x).sum().item() < 1e-12:
-        return 0.0
-    den = (x * x + y * y).sum().item()
-    return 1.0 - 2.0 * (x * y).sum().item() / den
-
-
-def _check_close(name: str, ans: torch.Tensor, ref: torch.Tensor, abs_tol: float, rel_tol: float, cos_tol: float) -> None:
-    assert ans.shape == ref.shape, f"{name}: shape {list(ans.shape)} != reference {list(ref.shape)}"
-    ans = ans.detach().float().cpu().clone()
-    ref = ref.detach().float().cpu().clone()
-    # anomalies (+inf, -inf, NaN) must sit at exactly the same places, then are zeroed
-    for label, fa, fr in (
-        ("+inf", torch.isposinf(ans), torch.isposinf(ref)),
-        ("-inf", torch.isneginf(ans), torch.isneginf(ref)),
-        ("nan", torch.isnan(ans), torch.isnan(ref)),
-    ):
-        if not torch.equal(fa, fr):
-            bad = (fa != fr).nonzero()[:5].tolist()
-            raise AssertionError(
-                f"{name}: {label} entries differ from the reference ({int(fa.sum())} vs {int(fr.sum())}; first at {bad})"
-            )
-        ans[fa] = 0.0
-        ref[fr] = 0.0
-    err = (ans - ref).abs()
-    tol = abs_tol + rel_tol * ref.abs()
-    over = err > tol
-    if over.any():
-        i = int(torch.argmax(err - tol))
-        idx = list(torch.unravel_index(torch.tensor(i), ans.shape))
-        raise AssertionError(
-            f"{name}: {int(over.sum())}/{ans.numel()} entries out of tolerance (|d| <= {abs_tol:g} + {rel_tol:g}|ref|); "
-            f"worst at {[int(t) for t in idx]}: got {ans.flatten()[i].item():.7g}, ref {ref.flatten()[i].item():.7g}; "
-            f"max |d| = {err.max().item():.3g}"
-        )
-    cd = cos_diff(ans, ref)
-    assert cd <= cos_tol, f"{name}: cosine distance {cd:.3g} > {cos_tol:g}"
-
-
-def check_decode_close(
-    out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor, finite: bool = True
-) -> None:
-    """Assert a decode result is within DESIGN §6 of the fp32 reference.
-
-    out: ``|Δ| <= 1e-3 + 2.01/128·|ref|`` elementwise and cosine distance <= 5e-6;
-    lse: ``|Δ| <= 1e-6 + 8/65536·|ref|`` (``+inf`` of lonely queries must match exactly).
-    Non-finite entries must coincide. Shapes must match; dtypes are not compared (out is bf16,
-    the reference fp32). ``finite=False`` lets out hold NaN where the reference does (inputs
-    with inf/NaN).
-    """
-    if finite:
-        assert torch.isfinite(out.float()).all(), "out: has non-finite entries"
-    _check_close("out", out, ref_out, OUT_ABS_TOL, OUT_REL_TOL, COS_DIFF_TOL)
-    _check_close("lse", lse, ref_lse, LSE_ABS_TOL, LSE_REL_TOL, COS_DIFF_TOL)
 
 
 # ---------------------------------------------------------------- random inputs
@@ -105,7 +33,7 @@ def random_latent_k(
 
     Magnitudes stay O(1), like FlashMLA's test data: the kernels round P to bf16 before P·V (as
     FlashMLA does), and with values of ~10 an output entry that cancels to ~0.01 can miss the
-    elementwise bound of DESIGN §6 by bf16 rounding alone (an fp32 emulation of that rounding
+    elementwise bound of FlashMLA's tolerances by bf16 rounding alone (an fp32 emulation of that rounding
     misses it too)."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(num_blocks, page_block_size, 1, d_qk, generator=g)

@@ -16,7 +16,7 @@ from helpers import cache_to, check_decode_close, make_cache, make_problem
 
 import sparse_mla as flash_mla
 import sparse_mla.library as lib
-from sparse_mla.kvcache import abs_indices_to_kvcache_indices, dequantize_k_cache, quantize_k_cache
+from sparse_mla import abs_indices_to_kvcache_indices, dequantize_k_cache, quantize_k_cache
 from sparse_mla.reference import combine_reference, quantize_and_store_kv_reference, sparse_decode_reference
 
 ON_GPU = torch.cuda.is_available()
@@ -97,7 +97,7 @@ def test_length_and_sink_views(kind, entry, num_sms):
 @needs_kernels
 @pytest.mark.parametrize("kind", ["strided", "offset"])
 def test_combine_views(kind):
-    from sparse_mla.ops.combine import combine_fwd
+    from sparse_mla.decode.combine import combine_fwd
 
     g = torch.Generator().manual_seed(8)
     s_q, h_q, d_v, rows = 2, 16, 512, 6
@@ -324,7 +324,7 @@ def test_interpreter_set_too_late_says_what_to_do():
     code = """
 import os, torch
 import sparse_mla as flash_mla
-import sparse_mla.ops.sparse_decode  # kernels defined compiled
+import sparse_mla.decode.portable  # kernels defined compiled
 from helpers import make_problem
 p = make_problem(b=1, h_q=16, topk=64)
 os.environ["TRITON_INTERPRET"] = "1"

@@ -1,29 +1,18 @@
-"""Gluon (warp-specialised, Hopper) sparse decode vs the fp32 reference. GPU-only (sm_90).
+"""The ``hopper`` backend (warp-specialised Gluon kernel) vs the fp32 reference. GPU-only (sm_90).
 
-    PYTHONPATH=src python3 -m pytest tests/test_gluon.py -x -q
-    PYTHONPATH=src python3 tests/test_gluon.py bench      # µs vs the tl kernel
-
-The launcher is called directly (``sparse_decode_gluon.sparse_decode_fwd(p, table)``) with the
-scheduler table of :func:`sparse_mla.interface._ensure_schedule`, so split and unsplit schedules
-are chosen with ``get_mla_metadata(num_sms=...)``.
+Calls go through the public API with ``backend="hopper"``; split and unsplit schedules are chosen
+with ``get_mla_metadata(num_sms=...)``. Timings: ``benchmarks/bench_decode.py --backends``.
 """
 from __future__ import annotations
-
-import sys
 
 import pytest
 import torch
 
 import sparse_mla as flash_mla
-from sparse_mla.interface import _ensure_schedule, validate_sparse_decode
-from sparse_mla.kvcache import quantize_k_cache
+from sparse_mla import quantize_k_cache
 from sparse_mla.reference import sparse_decode_reference
 
-try:
-    from helpers import check_decode_close
-except ImportError:  # run as a script from the repo root
-    sys.path.insert(0, "tests")
-    from helpers import check_decode_close
+from helpers import check_decode_close
 
 
 def _is_hopper() -> bool:
@@ -73,15 +62,12 @@ def make_case(b, s_q, h_q, topk=2048, num_blocks=None, pbs=64, seed=0, invalid_f
 
 
 def run_gluon(q, kc, idx, num_sms=None, **kw):
-    from sparse_mla.ops.sparse_decode_gluon import sparse_decode_fwd
-
     meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
-    p = validate_sparse_decode(q, kc, 512, idx, None, True, False, kw.get("attn_sink"), None, None,
-                               kw.get("topk_length"), None)
-    table = _ensure_schedule(meta, p)
-    out, lse = sparse_decode_fwd(p, table)
+    out, lse = flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx,
+                                                backend="hopper", **kw)
     torch.cuda.synchronize()
-    return out, lse, table
+    assert meta.backend == "hopper"
+    return out, lse, meta.table
 
 
 def check(q, kc, idx, num_sms=None, expect_split=None, **kw):
@@ -140,7 +126,7 @@ def test_lonely_rows_all_invalid():
 
 def test_odd_page_block_size():
     # topk_length 64, not 5: with 5 tokens of magnitude ~1 an output that cancels to ~3e-3 misses
-    # DESIGN §6's elementwise bound by bf16 P rounding alone; the tl kernel and this one gave the
+    # FlashMLA's elementwise bound by bf16 P rounding alone; the tl kernel and this one gave the
     # same bits there on the H200 (2026-11-29), so it is the data, not the kernel
     q, kc, idx, kw = make_case(4, 2, 128, topk=2048, pbs=61, num_blocks=80, seed=9, topk_length=[2048, 64, 700, 0])
     for num_sms in (4, 132):
@@ -148,53 +134,12 @@ def test_odd_page_block_size():
 
 
 def test_unsupported_raises():
-    from sparse_mla.ops.sparse_decode_gluon import sparse_decode_fwd
-
     k = torch.randn(8, 64, 1, 512, device=DEV).to(torch.bfloat16)
     kc = quantize_k_cache(k, "MODEL1")
     q = torch.randn(1, 1, 64, 512, device=DEV).to(torch.bfloat16)
     idx = torch.randint(0, 8 * 64, (1, 1, 64), device=DEV, dtype=torch.int32)
     meta, _ = flash_mla.get_mla_metadata()
-    p = validate_sparse_decode(q, kc, 512, idx, None, True)
-    with pytest.raises(NotImplementedError):
-        sparse_decode_fwd(p, _ensure_schedule(meta, p))
-
-
-# --------------------------------------------------------------------------------------------- bench
-def bench(bs=(64, 128), h_q=128, s_q=2, topk=2048, rep=200):
-    """Print µs per call for the Gluon kernel and the tl kernel (same schedule, same inputs)."""
-    import triton
-
-    from sparse_mla.ops import sparse_decode as tl_sd
-    from sparse_mla.ops import sparse_decode_gluon as g_sd
-
-    for b in bs:
-        g = torch.Generator(device=DEV).manual_seed(b)
-        nb = 64 * 1024 // 64  # 64K-token cache
-        k = (torch.randn(nb, 64, 1, 576, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
-        kc = quantize_k_cache(k, "V32")
-        q = torch.randn(b, s_q, h_q, 576, device=DEV, generator=g).to(torch.bfloat16)
-        idx = torch.randint(0, nb * 64, (b, s_q, topk), device=DEV, generator=g, dtype=torch.int32)
-        meta, _ = flash_mla.get_mla_metadata()
-        p = validate_sparse_decode(q, kc, 512, idx, None, True)
-        table = _ensure_schedule(meta, p)
-        res = {}
-        for name, fn in (("gluon", g_sd.sparse_decode_fwd), ("tl", tl_sd.sparse_decode_fwd)):
-            fn(p, table)
-            torch.cuda.synchronize()
-            ms = triton.testing.do_bench(lambda: fn(p, table), warmup=25, rep=rep)
-            res[name] = ms * 1e3
-        flops = 2 * b * s_q * h_q * topk * (576 + 512)
-        o_g, l_g = g_sd.sparse_decode_fwd(p, table)
-        o_t, l_t = tl_sd.sparse_decode_fwd(p, table)
-        diff = (o_g.float() - o_t.float()).abs().max().item()
-        print(f"b={b:4d} h_q={h_q} s_q={s_q} topk={topk} split={table.any_split}: "
-              f"gluon {res['gluon']:8.1f} us ({flops / res['gluon'] / 1e6:6.1f} TFLOP/s)   "
-              f"tl {res['tl']:8.1f} us ({flops / res['tl'] / 1e6:6.1f} TFLOP/s)   max|gluon-tl| {diff:.3e}")
-
-
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "bench":
-        bench()
-    else:
-        sys.exit(pytest.main([__file__, "-x", "-q"]))
+    with pytest.raises(ValueError, match="^backend: the 'hopper' backend cannot serve this call: it serves the V32 cache"):
+        flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend="hopper")
+    out, _ = flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
+    assert meta.backend == "portable" and out.shape == (1, 1, 64, 512)

@@ -10,7 +10,7 @@ import torch
 from helpers import check_decode_close
 
 import sparse_mla as flash_mla
-from sparse_mla.kvcache import abs_indices_to_kvcache_indices, quantize_k_cache
+from sparse_mla import abs_indices_to_kvcache_indices, quantize_k_cache
 from sparse_mla.reference import sparse_decode_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

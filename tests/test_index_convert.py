@@ -1,5 +1,5 @@
-"""Index-conversion kernel (``sparse_mla.ops.index_convert``) vs its PyTorch twin
-:func:`sparse_mla.kvcache.abs_indices_to_kvcache_indices` (identical int32 results)."""
+"""Index-conversion kernel (``sparse_mla.serving.index_convert``) vs its PyTorch twin
+:func:`sparse_mla.abs_indices_to_kvcache_indices` (identical int32 results)."""
 from __future__ import annotations
 
 import os
@@ -7,8 +7,7 @@ import os
 import pytest
 import torch
 
-from sparse_mla.kvcache import abs_indices_to_kvcache_indices
-from sparse_mla.ops.index_convert import abs_indices_to_kvcache_indices_triton
+from sparse_mla import abs_indices_to_kvcache_indices, abs_indices_to_kvcache_indices_triton
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1",

@@ -146,7 +146,7 @@ def test_batch_permutation_is_bit_exact():
 
 
 def test_combine_blocks_validated():
-    from sparse_mla.ops.combine import combine_fwd
+    from sparse_mla.decode.combine import combine_fwd
 
     o_acc, l_acc = torch.zeros(3, 1, 16, 512, device=DEVICE), torch.zeros(3, 1, 16, device=DEVICE)
     out, lse = torch.zeros(2, 1, 16, 512, device=DEVICE), torch.zeros(2, 16, 1, device=DEVICE)
@@ -158,7 +158,7 @@ def test_combine_blocks_validated():
 
 @pytest.mark.parametrize("blocks", [None, (4, 64)])  # default tile, and the small-batch tile
 def test_combine_kernel_matches_reference(blocks):
-    from sparse_mla.ops.combine import combine_fwd
+    from sparse_mla.decode.combine import combine_fwd
 
     g = torch.Generator().manual_seed(4)
     s_q, h_q, d_v = 2, 20, 512

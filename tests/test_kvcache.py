@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import make_cache, random_latent_k
-from sparse_mla.kvcache import (
+from sparse_mla import abs_indices_to_kvcache_indices
+from sparse_mla.formats import (
     MODEL1,
     V32,
-    abs_indices_to_kvcache_indices,
     dequantize_k_cache,
     gather_dequant_tokens,
     get_layout,

@@ -16,8 +16,9 @@ from helpers import check_decode_close, make_problem
 
 import sparse_mla as flash_mla
 import sparse_mla.library as lib
-from sparse_mla.kvcache import abs_indices_to_kvcache_indices, get_layout
+from sparse_mla import abs_indices_to_kvcache_indices, get_layout
 from sparse_mla.reference import combine_reference, sparse_decode_reference
+from sparse_mla.serving.ops import bound_schedule_tensors
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1",
@@ -211,7 +212,8 @@ FORGED = {
 def test_forged_schedule_is_rejected_or_bounded(case):
     """Scheduler tensors the scheduler cannot have made: rejected on the host; on a device (no
     sync possible) the op bounds them, and the kernels then stay inside every buffer."""
-    from sparse_mla.interface import run_sparse_decode, validate_sparse_decode
+    from sparse_mla.decode import resolve_backend, run_decode
+    from sparse_mla.problem import validate_sparse_decode
     from sparse_mla.scheduler import ScheduleTable
 
     p = to_dev(make_problem(b=2, s_q=1, h_q=16, topk=200, seed=31))
@@ -219,18 +221,18 @@ def test_forged_schedule_is_rejected_or_bounded(case):
     lib.sparse_decode(p.q, p.k_cache, p.indices, meta)
     st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in lib.schedule_tensors(meta).items()}
     rows = 2 + st["tile_scheduler_metadata"].shape[0]
-    legit = lib._bounded_schedule(st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows)
+    legit = bound_schedule_tensors(st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows)
     for t, u in zip(legit, (st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"])):
         assert torch.equal(t, u)  # the scheduler's own tensors pass unchanged
     FORGED[case](st)
     if p.q.device.type == "cpu":
         with pytest.raises(ValueError, match="^(tile_scheduler_metadata|num_splits|main_blocks|num_blocks): values out of range"):
             torch.ops.sparse_mla.sparse_decode(p.q, p.k_cache, p.indices, **st, sm_scale=0.1)
-    md, ns, mb, nb = lib._bounded_schedule(st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows)
+    md, ns, mb, nb = bound_schedule_tensors(st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows)
     assert int(md[:, 0].min()) >= 0 and int(md[:, 1].max()) <= 1 and int(md[:, 3].max()) <= 4
     assert int(ns.min()) >= 0 and int(ns.max()) <= rows - 1 and bool((ns[1:] >= ns[:-1]).all()) and int(ns[0]) == 0
     # the kernels run on the bounded tensors without touching memory outside their buffers
-    q = validate_sparse_decode(p.q, p.k_cache, 512, p.indices)
+    q = validate_sparse_decode(q=p.q, k_cache=p.k_cache, indices=p.indices)
     table = ScheduleTable(md.shape[0], md, ns, mb, [], 0, nb, True)
-    out, lse = run_sparse_decode(q, table)
+    out, lse = run_decode(q, resolve_backend(q), table)
     assert out.shape == (2, 1, 16, 512) and lse.shape == (2, 16, 1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import make_problem, random_indices
-from sparse_mla.kvcache import MODEL1, dequantize_k_cache, get_layout
+from sparse_mla.formats import MODEL1, dequantize_k_cache, get_layout
 from sparse_mla.reference import (
     LOG2E,
     combine_reference,

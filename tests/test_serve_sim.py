@@ -1,4 +1,4 @@
-"""Decode-loop simulation (``sparse_mla.serve_sim`` / ``sparse-mla serve-sim``) at tiny CPU sizes.
+"""Decode-loop simulation (``sparse_mla.tools.serve_sim`` / ``sparse-mla serve-sim``) at tiny CPU sizes.
 
 Step by step: each step's decode output equals the fp32 reference on the same cache state, each
 appended token's bytes equal ``quantize_k_cache`` of its values, the top-k indices are distinct
@@ -19,7 +19,7 @@ from cache_bytes import quantized_token_bytes, storage_bytes, token_byte_offsets
 from helpers import check_decode_close
 
 from sparse_mla.reference import sparse_decode_reference
-from sparse_mla.serve_sim import ServeSim, ServeSimConfig, default_config
+from sparse_mla.tools.serve_sim import ServeSim, ServeSimConfig, default_config
 
 # for tests that run the kernels in this process (the CLI tests start their own and need no mark)
 needs_kernels = pytest.mark.skipif(
@@ -157,7 +157,7 @@ def test_cli_no_numpy_warnings_for_blocks_without_valid_keys():
     (["--seed", "-1"], "--seed"),
 ])
 def test_cli_usage_errors_exit_2_in_one_line(monkeypatch, capsys, args, option):
-    from sparse_mla import cli
+    from sparse_mla.tools import cli
 
     # the CLI sets TRITON_INTERPRET on the CPU: keep this process's value afterwards
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
@@ -189,7 +189,7 @@ def test_cli_unwritable_json_fails_before_the_simulation(tmp_path, where):
 
 
 def test_json_path_problem_leaves_no_file(tmp_path):
-    from sparse_mla.serve_sim import json_path_problem
+    from sparse_mla.tools.serve_sim import json_path_problem
 
     new = tmp_path / "new.json"
     assert json_path_problem(str(new)) is None and not new.exists()

@@ -14,9 +14,7 @@ from helpers import check_decode_close
 
 import sparse_mla as flash_mla
 import sparse_mla.library as lib
-from sparse_mla.kvcache import abs_indices_to_kvcache_indices, get_layout
-from sparse_mla.ops.index_convert import abs_indices_to_kvcache_indices_triton
-from sparse_mla.ops.store_kv import quantize_and_store_kv
+from sparse_mla import abs_indices_to_kvcache_indices, abs_indices_to_kvcache_indices_triton, get_layout, quantize_and_store_kv
 from sparse_mla.reference import quantize_and_store_kv_reference, sparse_decode_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -107,7 +105,7 @@ def test_serving_calls_do_not_synchronise():
     b, topk, pbs, h_q = 8, 2048, 64, 128
     nlog = 16384 // pbs
     kc = random_pool_cache("V32", b * nlog, pbs, torch.float8_e4m3fn, seed=5)
-    from sparse_mla.kvcache import quantize_k_cache
+    from sparse_mla import quantize_k_cache
 
     k = (torch.randn(b * nlog, pbs, 1, 576, device=DEV) * 0.3).to(torch.bfloat16)
     kc.copy_(quantize_k_cache(k, "V32"))
@@ -139,7 +137,7 @@ def _uint8_problem(b, h_q, topk, layout, seed):
     lay = get_layout(layout)
     pbs, nb = 64, 64
     g = torch.Generator(device=DEV).manual_seed(seed)
-    from sparse_mla.kvcache import quantize_k_cache
+    from sparse_mla import quantize_k_cache
 
     k = (torch.randn(nb, pbs, 1, lay.d_qk, generator=g, device=DEV) * 0.5).to(torch.bfloat16)
     kc = quantize_k_cache(k, layout, out_dtype=torch.uint8)
@@ -188,7 +186,7 @@ def _step_inputs(layout, b=16, h_q=128, topk=2048, ctx=8192, pbs=64, seed=0):
     lay = get_layout(layout)
     nlog = ctx // pbs
     g = torch.Generator(device=DEV).manual_seed(seed)
-    from sparse_mla.kvcache import quantize_k_cache
+    from sparse_mla import quantize_k_cache
 
     k = (torch.randn(b * nlog, pbs, 1, lay.d_qk, generator=g, device=DEV) * 0.3).to(torch.bfloat16)
     kc = quantize_k_cache(k, layout)
@@ -257,7 +255,7 @@ def test_torch_compile_step_on_cuda():
 
 @pytest.mark.parametrize("layout,b,max_context,steps", [("V32", 64, 32768, 30), ("MODEL1", 8, 4096, 10)])
 def test_serve_sim_v32_size(layout, b, max_context, steps):
-    from sparse_mla.serve_sim import ServeSim, ServeSimConfig
+    from sparse_mla.tools.serve_sim import ServeSim, ServeSimConfig
 
     cfg = ServeSimConfig(batch=b, topk=2048, max_context=max_context, steps=steps, h_q=128, page_block_size=64,
                          layout=layout, seed=11)

@@ -1,8 +1,8 @@
-"""Fused quantise-and-store kernel (``sparse_mla.ops.store_kv``) vs ``quantize_k_cache``, byte for byte.
+"""Fused quantise-and-store kernel (``sparse_mla.serving.store``) vs ``quantize_k_cache``, byte for byte.
 
 Every test pre-fills the whole cache storage with random bytes, writes random bf16 tokens to
 random distinct slots, and compares the *whole storage* with the expected bytes built from
-:func:`sparse_mla.kvcache.quantize_k_cache` on the same values (``tests/cache_bytes.py`` places
+:func:`sparse_mla.quantize_k_cache` on the same values (``tests/cache_bytes.py`` places
 them by DESIGN §4's offsets), so untouched slots, MODEL1 padding and neighbouring layers of a pool
 are checked too. On the CPU the Triton kernel runs in the interpreter (``TRITON_INTERPRET=1``).
 """
@@ -15,8 +15,8 @@ import pytest
 import torch
 from cache_bytes import expected_after_store, quantized_token_bytes, storage_bytes, to_device
 
-from sparse_mla.kvcache import get_layout, quantize_k_cache
-from sparse_mla.ops.store_kv import _launch, quantize_and_store_kv
+from sparse_mla import get_layout, quantize_and_store_kv, quantize_k_cache
+from sparse_mla.serving.store import launch as launch_store_kernel
 from sparse_mla.reference import quantize_and_store_kv_reference
 
 pytestmark = pytest.mark.skipif(
@@ -216,7 +216,7 @@ def test_kernel_masks_out_of_range_slots(layout):
     kv = random_tokens(6, lay.d_qk, 22)
     slots = torch.tensor([12, -5, 2, 1 << 40, -1, 11], dtype=torch.int64, device=DEV)  # 12 = num_slots
     want = expected_after_store(kc, kv, slots)  # writes only 2 and 11
-    _launch(kv, slots, kc, lay, 2)
+    launch_store_kernel(kv, slots, kc, lay, 2)
     got = sb(kc)
     assert torch.equal(got, want)
 
@@ -265,6 +265,6 @@ def test_store_then_dequantize_round_trip():
     full = quantize_k_cache(k.cpu().view(nb, pbs, 1, lay.d_qk), "MODEL1")
     kc = random_cache("MODEL1", nb, pbs, torch.float8_e4m3fn, 32)
     quantize_and_store_kv(k, torch.arange(nb * pbs, device=DEV), kc)
-    from sparse_mla.kvcache import dequantize_k_cache
+    from sparse_mla import dequantize_k_cache
 
     assert torch.equal(dequantize_k_cache(kc, "MODEL1").cpu(), dequantize_k_cache(full, "MODEL1"))

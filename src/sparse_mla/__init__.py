@@ -2,21 +2,20 @@
 
 ``import sparse_mla as flash_mla`` is a drop-in for FlashMLA 1.0's sparse FP8 decode.
 
-Serving path (imported lazily, so that ``TRITON_INTERPRET`` can still be set after
-``import sparse_mla``): ``quantize_and_store_kv`` (fused FP8 cache write) and
-``abs_indices_to_kvcache_indices_triton`` (index conversion kernel); ``import sparse_mla.library``
-registers the ``torch.ops.sparse_mla.*`` custom ops.
+Importing the package registers the ``torch.ops.sparse_mla.*`` custom ops (for ``torch.compile``)
+and imports no Triton: the kernel modules load on first use, so ``TRITON_INTERPRET`` can still be
+set after ``import sparse_mla`` (before the first kernel call). The serving-path kernels
+``quantize_and_store_kv`` (fused FP8 cache write) and ``abs_indices_to_kvcache_indices_triton``
+(index conversion) are attributes that load their module on first access.
+
+Layout (docs/architecture.md): :mod:`.api` → :mod:`.problem` → :mod:`.plan` → :mod:`.decode`
+(dispatcher, kernels, twins); :mod:`.formats` (cache layouts); :mod:`.serving` (cache writes,
+index conversion, custom ops); :mod:`.tools` (CLI); :mod:`.testing` (tolerances and checks).
 """
-from .interface import FlashMLASchedMeta, flash_mla_with_kvcache, get_mla_metadata
-from .kvcache import (
-    MODEL1,
-    V32,
-    KVCacheLayout,
-    abs_indices_to_kvcache_indices,
-    dequantize_k_cache,
-    get_layout,
-    quantize_k_cache,
-)
+from . import serving as _serving  # noqa: F401  (registers torch.ops.sparse_mla.*)
+from .api import FlashMLASchedMeta, flash_mla_with_kvcache, get_mla_metadata
+from .formats import MODEL1, V32, KVCacheLayout, dequantize_k_cache, get_layout, quantize_k_cache
+from .serving.reference import abs_indices_to_kvcache_indices
 
 __version__ = "0.1.0"
 
@@ -36,8 +35,8 @@ __all__ = [
 ]
 
 _LAZY = {
-    "quantize_and_store_kv": "sparse_mla.ops.store_kv",
-    "abs_indices_to_kvcache_indices_triton": "sparse_mla.ops.index_convert",
+    "quantize_and_store_kv": "sparse_mla.serving.store",
+    "abs_indices_to_kvcache_indices_triton": "sparse_mla.serving.index_convert",
 }
 
 

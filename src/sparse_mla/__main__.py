@@ -1,7 +1,7 @@
 """``python -m sparse_mla demo``: the same command line as ``sparse-mla``."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,8 +3,8 @@
 Every decode (or prefill) step an inference engine appends the new tokens' latent vectors
 ``kv [n, d_qk]`` (bf16) to the paged cache at ``slot_mapping [n]`` (``block * page_block_size +
 offset``; ``-1`` = skip, e.g. padding tokens). This kernel quantises and writes them in place,
-byte-identical to :func:`sparse_mla.kvcache.quantize_k_cache` on the same values
-(PyTorch twin: :func:`sparse_mla.reference.quantize_and_store_kv_reference`).
+byte-identical to :func:`sparse_mla.quantize_k_cache` on the same values
+(PyTorch twin: :func:`sparse_mla.serving.reference.quantize_and_store_kv_reference`).
 
 One program handles ``BLOCK_T`` tokens. Per token and tile of ``TILE`` NoPE values (V32: 4 x 128,
 MODEL1: 7 x 64):
@@ -42,10 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .._runtime import require_runnable, use_triton
-from ..kvcache import KVCacheLayout, LayoutLike, _check_quantized_cache, get_layout
+from ..formats import KVCacheLayout, LayoutLike, cache_bytes
+from ..runtime import require_runnable, use_triton
+from .checks import check_store_args
 
-__all__ = ["quantize_and_store_kv", "check_store_args", "layout_of_cache"]
+__all__ = ["quantize_and_store_kv", "launch"]
 
 
 @triton.jit
@@ -130,83 +131,6 @@ def _quantize_store_kernel(
     tl.store(rope_dst[:, None] + rc[None, :], rope, mask=valid[:, None])
 
 
-def layout_of_cache(k_cache: torch.Tensor) -> KVCacheLayout:
-    """The layout told by a cache's last dimension: 656 bytes/token -> V32, 584 -> MODEL1.
-
-    Raises:
-        TypeError: ``k_cache`` is not a tensor.
-        ValueError: its shape is not ``[num_blocks, page_block_size, 1, 656 | 584]``.
-    """
-    if not isinstance(k_cache, torch.Tensor):
-        raise TypeError(f"k_cache: expected a torch.Tensor, got {type(k_cache).__name__}")
-    if k_cache.dim() != 4:
-        raise ValueError(f"k_cache: expected shape [num_blocks, page_block_size, 1, bytes_per_token], got {list(k_cache.shape)}")
-    bpt = int(k_cache.shape[-1])
-    for name in ("V32", "MODEL1"):
-        lay = get_layout(name)
-        if lay.bytes_per_token == bpt:
-            return lay
-    raise ValueError(f"k_cache: bytes_per_token (last dim) must be 656 (V32) or 584 (MODEL1), got {bpt}")
-
-
-def check_store_args(
-    kv: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_cache: torch.Tensor,
-    layout: Optional[LayoutLike] = None,
-) -> KVCacheLayout:
-    """Validate the arguments of :func:`quantize_and_store_kv` (no device synchronisation).
-
-    Returns the cache layout. Raises ``TypeError``/``ValueError`` naming the bad argument; slot
-    values are range-checked only when ``slot_mapping`` is on the CPU.
-    """
-    lay = layout_of_cache(k_cache)
-    if layout is not None:
-        want = get_layout(layout)
-        if want != lay:
-            raise ValueError(
-                f"layout: {want.name} given, but k_cache has {k_cache.shape[-1]} bytes per token ({lay.name})"
-            )
-    _check_quantized_cache(k_cache, lay, "k_cache")
-    if not isinstance(kv, torch.Tensor):
-        raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
-    if kv.dtype != torch.bfloat16:
-        raise TypeError(f"kv: expected dtype torch.bfloat16, got {kv.dtype}")
-    if kv.dim() != 2 or kv.shape[1] != lay.d_qk:
-        raise ValueError(
-            f"kv: expected shape [n, {lay.d_qk}] (d_qk of the {lay.name} cache), got {list(kv.shape)}"
-        )
-    if kv.numel() and kv.stride(1) != 1:
-        raise ValueError(f"kv: the last dimension must be contiguous (stride 1), got strides {list(kv.stride())}")
-    if not isinstance(slot_mapping, torch.Tensor):
-        raise TypeError(f"slot_mapping: expected a torch.Tensor, got {type(slot_mapping).__name__}")
-    if slot_mapping.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"slot_mapping: expected dtype torch.int64 (or torch.int32), got {slot_mapping.dtype}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != kv.shape[0]:
-        raise ValueError(f"slot_mapping: expected shape [n={kv.shape[0]}], got {list(slot_mapping.shape)}")
-    if kv.device != k_cache.device:
-        raise ValueError(f"kv: expected a tensor on {k_cache.device} (where k_cache is), got {kv.device}")
-    if slot_mapping.device != k_cache.device:
-        raise ValueError(f"slot_mapping: expected a tensor on {k_cache.device} (where k_cache is), got {slot_mapping.device}")
-    # the kernel stores float32 scales (V32) and int16 RoPE halves through typed pointers
-    align = 4 if lay.name == "V32" else 2
-    raw = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
-    if k_cache.numel() and (raw.data_ptr() % align or raw.stride(0) % align or (raw.shape[1] > 1 and raw.stride(1) % align)):
-        raise ValueError(
-            f"k_cache: the {lay.name} layout needs its start and block/token strides aligned to {align} bytes, "
-            f"got offset {raw.data_ptr() % 16} mod 16 and strides {list(raw.stride())}"
-        )
-    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
-        n_slots = int(k_cache.shape[0]) * int(k_cache.shape[1])
-        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-        if lo < -1 or hi >= n_slots:
-            bad = lo if lo < -1 else hi
-            raise ValueError(
-                f"slot_mapping: values must be -1 (skip) or in [0, {n_slots}) (num_blocks * page_block_size), got {bad}"
-            )
-    return lay
-
-
 def quantize_and_store_kv(
     kv: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -217,10 +141,10 @@ def quantize_and_store_kv(
 ) -> None:
     """Quantise new tokens' latent KV and write them in place into a paged FP8 cache.
 
-    The bytes written for a token are exactly those :func:`sparse_mla.kvcache.quantize_k_cache`
+    The bytes written for a token are exactly those :func:`sparse_mla.quantize_k_cache`
     gives for the same bf16 values; bytes of other slots (and MODEL1 block padding) are untouched.
     Runs the Triton kernel on CUDA and under ``TRITON_INTERPRET=1``, else the PyTorch twin
-    :func:`sparse_mla.reference.quantize_and_store_kv_reference`. No host synchronisation on CUDA
+    :func:`sparse_mla.serving.reference.quantize_and_store_kv_reference`. No host synchronisation on CUDA
     (CUDA-graph safe).
 
     Args:
@@ -252,17 +176,17 @@ def quantize_and_store_kv(
     if n == 0 or k_cache.numel() == 0:
         return
     if not use_triton(k_cache.device):
-        from ..reference import quantize_and_store_kv_reference
+        from .reference import quantize_and_store_kv_reference
 
         quantize_and_store_kv_reference(kv, slot_mapping, k_cache)
         return
-    _launch(kv, slot_mapping, k_cache, lay, block_t)
+    launch(kv, slot_mapping, k_cache, lay, block_t)
 
 
-def _launch(kv: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, lay: KVCacheLayout, block_t: int) -> None:
+def launch(kv: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, lay: KVCacheLayout, block_t: int) -> None:
     """Launch the kernel on validated arguments (no slot-range check: the kernel masks bad slots)."""
     require_runnable(_quantize_store_kernel, k_cache.device)
-    raw = k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
+    raw = cache_bytes(k_cache)
     nb, pbs = raw.shape[0], raw.shape[1]
     n = kv.shape[0]
     grid = (triton.cdiv(n, block_t),)

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._runtime import require_runnable, use_triton
-from ..kvcache import _check_abs_index_args
+from ..runtime import require_runnable, use_triton
+from .checks import check_abs_index_args
 
 __all__ = ["abs_indices_to_kvcache_indices_triton"]
 
@@ -71,7 +71,7 @@ def abs_indices_to_kvcache_indices_triton(
     Raises:
         TypeError / ValueError: wrong dtypes, shapes, devices, ``page_block_size`` or ``out``.
     """
-    _check_abs_index_args(abs_indices, block_table, page_block_size)
+    check_abs_index_args(abs_indices, block_table, page_block_size)
     b, s_q, topk = abs_indices.shape
     if out is None:
         out = torch.empty(b, s_q, topk, dtype=torch.int32, device=abs_indices.device)
@@ -84,7 +84,7 @@ def abs_indices_to_kvcache_indices_triton(
         return out
     dev = abs_indices.device
     if not use_triton(dev):
-        from ..kvcache import abs_indices_to_kvcache_indices
+        from .reference import abs_indices_to_kvcache_indices
 
         out.copy_(abs_indices_to_kvcache_indices(abs_indices, block_table, page_block_size))
         return out

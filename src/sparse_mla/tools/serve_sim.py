@@ -6,7 +6,7 @@ shuffled free list as contexts grow). Every step does what an engine does per de
 1. the new token of every request gets a latent vector ``kv [B, d_qk]`` (random bf16 here, each
    64-value tile with its own magnitude in 10^-2..10^0) and a query ``q [B, 1, h_q, d_qk]``;
 2. its cache slot is the cache index of position ``ctx[i]`` (the index-conversion kernel on the
-   block table), and :func:`~sparse_mla.ops.store_kv.quantize_and_store_kv` writes it; ``ctx += 1``;
+   block table), and :func:`~sparse_mla.serving.store.quantize_and_store_kv` writes it; ``ctx += 1``;
 3. the "indexer" picks ``topk`` distinct positions of each request's valid context ``[0, ctx)``:
    ``pos_j = (a * j + c) mod ctx`` for ``j < min(topk, ctx)`` with a random prime ``a > max_context``
    (coprime to every length, so the positions are distinct) and a random offset ``c``; slots
@@ -29,7 +29,7 @@ Per-step latency is measured around each replay (CUDA events, or wall-clock on t
 device synchronisation per step), and tokens/s = ``B / latency``. At the end the last step is
 checked: its decode output against :func:`sparse_mla.reference.sparse_decode_reference` on the same
 cache (FlashMLA's own test tolerances, docs/design.md section 6) and the appended tokens' cache bytes against
-:func:`sparse_mla.kvcache.quantize_k_cache`.
+:func:`sparse_mla.quantize_k_cache`.
 
 The Triton kernels are imported lazily, so the CLI can set ``TRITON_INTERPRET=1`` first on a
 machine without a GPU (tiny defaults then run in seconds).
@@ -47,8 +47,8 @@ from typing import Any, Optional
 
 import torch
 
-from .interface import get_mla_metadata
-from .kvcache import get_layout, quantize_k_cache
+from ..formats import get_layout, quantize_k_cache
+from ..plan import get_mla_metadata
 
 __all__ = [
     "ServeSimConfig", "ServeSim", "default_config", "add_arguments", "cli_main", "json_path_problem", "CPU_DEFAULTS",
@@ -60,9 +60,6 @@ CPU_DEFAULTS = dict(batch=2, topk=64, max_context=256, steps=4, h_q=16, page_blo
 #: DeepSeek-V3.2 decode sizes for a GPU
 GPU_DEFAULTS = dict(batch=64, topk=2048, max_context=32768, steps=200, h_q=128, page_block_size=64)
 
-# FlashMLA's test tolerances (docs/design.md, section 6) for the final check
-_OUT_ABS, _OUT_REL, _COS = 1e-3, 2.01 / 128, 5e-6
-_LSE_ABS, _LSE_REL = 1e-6, 8 / 65536
 
 
 @dataclass
@@ -253,7 +250,7 @@ class ServeSim:
 
     def prefill(self, chunk_tokens: int = 65536) -> None:
         """Allocate the cache and write every request's initial context (random tokens)."""
-        from .ops.store_kv import quantize_and_store_kv
+        from ..serving.store import quantize_and_store_kv
 
         dev, pbs = self.device, self.pbs
         self.k_cache = self._alloc_cache()
@@ -289,8 +286,8 @@ class ServeSim:
         """Steps 1-4 of the module docstring on device tensors only (capturable)."""
         import sparse_mla
 
-        from .ops.index_convert import abs_indices_to_kvcache_indices_triton
-        from .ops.store_kv import quantize_and_store_kv
+        from ..serving.index_convert import abs_indices_to_kvcache_indices_triton
+        from ..serving.store import quantize_and_store_kv
 
         B, dev, gen = self.B, self.device, self._gen
         # 1. new tokens and queries
@@ -425,34 +422,27 @@ class ServeSim:
         Returns a dict: ``decode_ok`` (out/lse within FlashMLA's tolerances, docs/design.md §6, of
         :func:`~sparse_mla.reference.sparse_decode_reference` on the same cache and indices),
         ``out_max_abs_err``, ``out_cos_dist``, ``lse_max_abs_err``, ``store_ok`` (the last appended
-        tokens' bytes equal :func:`~sparse_mla.kvcache.quantize_k_cache` of their values),
+        tokens' bytes equal :func:`~sparse_mla.quantize_k_cache` of their values),
         ``indices_ok`` (each request's valid indices are distinct, in its own blocks, and their
         count is ``min(topk, ctx)``), ``ok`` (all three).
         """
-        from .reference import sparse_decode_reference
+        from ..reference import sparse_decode_reference
+        from ..testing import decode_closeness
 
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         ro, rl = sparse_decode_reference(self.q_buf, self.k_cache, self.idx_buf, None, 512)
-        o, r = self.out.double(), ro.double()
-        d = (o - r).abs()
-        out_ok = bool(torch.isfinite(o).all()) and bool((d <= _OUT_ABS + _OUT_REL * r.abs()).all())
-        den = (o * o + r * r).sum().item()
-        cos = 1 - 2 * (o * r).sum().item() / den if den > 0 else 0.0
-        l, lr = self.lse.double(), rl.double()
-        same = l == lr  # +inf entries (no valid key) compare equal
-        dl = torch.where(same, torch.zeros_like(l), (l - lr).abs())
-        lse_ok = bool((dl <= _LSE_ABS + _LSE_REL * lr.abs().nan_to_num(posinf=0)).all())
+        c = decode_closeness(self.out, self.lse, ro, rl)
         store_ok = bool(torch.equal(self._slot_bytes(self.slot_buf.view(-1)), self._expected_bytes(self.kv_buf)))
         idx_ok = self._indices_ok()
         return dict(
-            decode_ok=out_ok and lse_ok and cos <= _COS,
-            out_max_abs_err=d.max().item(),
-            out_cos_dist=cos,
-            lse_max_abs_err=dl.max().item(),
+            decode_ok=c.ok,
+            out_max_abs_err=c.out_max_abs_err,
+            out_cos_dist=c.out_cos_dist,
+            lse_max_abs_err=c.lse_max_abs_err,
             store_ok=store_ok,
             indices_ok=idx_ok,
-            ok=out_ok and lse_ok and cos <= _COS and store_ok and idx_ok,
+            ok=c.ok and store_ok and idx_ok,
         )
 
     def _slot_bytes(self, slots: torch.Tensor) -> torch.Tensor:
@@ -520,7 +510,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 #: the modules a simulation step imports (each needs Triton; on the CPU Triton's interpreter needs NumPy)
-KERNEL_MODULES = ("sparse_mla.ops.sparse_decode", "sparse_mla.ops.store_kv", "sparse_mla.ops.index_convert")
+KERNEL_MODULES = ("sparse_mla.decode.portable", "sparse_mla.serving.store", "sparse_mla.serving.index_convert")
 
 
 def _error(msg: str) -> int:

@@ -1,4 +1,5 @@
-"""Combine kernel (seed step 16): LSE-weighted merge of the split-KV partial results.
+"""Combine kernel (step 16 in docs/design.md): LSE-weighted merge of the split-KV partial results.
+Twin: :func:`sparse_mla.decode.reference.combine_reference`.
 
 For batch ``i`` with ``n = num_splits[i+1] - num_splits[i] > 1`` pieces, partial outputs
 ``o_j`` (each normalised by its own softmax sum) and log2-space LSEs ``lse_j``::
@@ -8,6 +9,9 @@ For batch ``i`` with ``n = num_splits[i+1] - num_splits[i] > 1`` pieces, partial
 then ``attn_sink`` scales ``out`` by ``1 / (1 + exp2(sink·log2e - log2-lse))`` once, and a query
 with no valid key anywhere (all ``lse_j = -inf``) gets ``out = 0``, ``lse = +inf``. Batches with
 a single piece were finished by the decode kernel and are left alone.
+
+This module also owns the split-KV buffer contract of the decode kernels
+(:func:`split_accumulators`) and the final-row formula both share (:func:`final_out_lse`).
 """
 from __future__ import annotations
 
@@ -17,7 +21,24 @@ import torch
 import triton
 import triton.language as tl
 
-from .._runtime import interpreting, require_runnable
+from ..runtime import interpreting, require_runnable
+
+
+@triton.jit
+def final_out_lse(acc, l, m, sink_log2, HAS_SINK: tl.constexpr):
+    """Final ``(out, natural-log lse)`` rows of a softmax with log2-space running max ``m``, sum
+    ``l = Σ exp2(s - m)`` and ``acc = Σ exp2(s - m) v``: ``out = acc / (l + exp2(sink - m))``,
+    ``lse = (log2 l + m) ln 2``; a row with ``l == 0`` (no valid key) gets out 0 and lse +inf,
+    a NaN ``l`` (a NaN or +inf score) NaN."""
+    lonely = l == 0.0
+    l_safe = tl.where(lonely, 1.0, l)
+    m_safe = tl.where(lonely, 0.0, m)
+    denom = l_safe
+    if HAS_SINK:
+        denom += tl.exp2(sink_log2 - m_safe)
+    o = tl.where(lonely[:, None], 0.0, acc / denom[:, None])
+    lse = tl.where(lonely, float("inf"), (tl.log2(l_safe) + m_safe) * 0.6931471805599453)
+    return o, lse
 
 
 @triton.jit
@@ -61,9 +82,8 @@ def _combine_kernel(
                          mask=(js < n)[:, None] & hmask[None, :], other=float("-inf"))
             tot += tl.sum(tl.exp2(lt - m_safe[None, :]), axis=0)
             j0 += BLOCK_S
-        # no valid key in any split: every lse_j is -inf, so the sum is 0 (a NaN lse_j, from a NaN or
-        # +inf score, makes it NaN: such a query propagates NaN rather than passing for lonely)
-        lonely = tot == 0.0
+        # no valid key in any split: every lse_j is -inf and the sum is 0, a lonely query for
+        # final_out_lse (a NaN lse_j, from a NaN or +inf score, makes the sum NaN: NaN propagates)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         obase = oacc_ptr + sq * stride_as + heads[:, None] * stride_ah + cols[None, :]
         if FOR_LOOP:  # compiled: let the pipeliner prefetch the next splits' partial outputs
@@ -80,17 +100,13 @@ def _combine_kernel(
                 oj = tl.load(obase + row * stride_ar, mask=hmask[:, None] & (w[:, None] > 0), other=0.0)
                 acc += w[:, None] * oj
                 j += 1
-        tot_safe = tl.where(lonely, 1.0, tot)
-        lse2 = tl.log2(tot_safe) + m_safe
-        denom = tot_safe
+        sink_log2 = tl.zeros([BLOCK_H], tl.float32)
         if HAS_SINK:
             sink_log2 = tl.load(sink_ptr + heads, mask=hmask, other=float("-inf")) * 1.4426950408889634
-            denom += tl.exp2(sink_log2 - m_safe)
-        o = tl.where(lonely[:, None], 0.0, acc / denom[:, None])
+        o, lse = final_out_lse(acc, tot, m_safe, sink_log2, HAS_SINK)
         tl.store(out_ptr + req * stride_ob + sq * stride_os + heads[:, None] * stride_oh + cols[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
         if db == 0:
-            lse = tl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
             tl.store(lse_ptr + req * stride_lb + heads * stride_lh + sq * stride_ls, lse, mask=hmask)
 
 

@@ -1,4 +1,6 @@
-"""Split-KV sparse decode kernel (seed steps 5-14) and its launcher.
+"""Portable split-KV sparse decode kernel in Triton ``tl`` (steps 5-15 in docs/design.md) and its
+launcher: any GPU Triton supports, and the CPU under Triton's interpreter. Twin:
+:func:`sparse_mla.decode.reference.sparse_decode_split_reference`.
 
 One program serves one scheduler partition, one query token (``s_q`` index) and ``BLOCK_H``
 query heads. It walks the (batch, 64-index block) pieces the tile scheduler gave its partition;
@@ -6,51 +8,85 @@ per block it gathers the 64 indexed tokens of the FP8 paged cache, dequantises t
 ``QKᵀ`` over ``d_qk``, runs the online softmax in exp2 space and accumulates ``P·V`` over
 ``d_v = 512`` in fp32. A batch that the scheduler did not split gets its final bf16 ``out`` and
 natural-log ``lse`` here (attn_sink applied); pieces of split batches write fp32 partial O and
-log2-space LSE for :mod:`sparse_mla.ops.combine`.
+log2-space LSE for :mod:`.combine`.
 
 Layout of the dequantised key inside the kernel: ``K_main [64, 512]`` (V32: the 512 NoPE values;
 MODEL1: 448 NoPE values followed by the 64 RoPE values) and, for V32 only, ``K_tail [64, 64]``
 (the RoPE part). ``V = K_main`` in both layouts. Invalid tokens are never loaded (masked loads
 with 0 as the fill value), so NaN or garbage in unused cache slots cannot reach P·V.
+
+Kernel arguments travel as tuples (Triton passes their members as separate arguments):
+``cache = (ptr, block_stride, token_stride, num_tokens, page_block_size, log2(page_block_size))``
+(bytes), ``sel = (indices_ptr, stride_b, stride_s, stride_t, topk, topk_length_ptr)``,
+``sched = (metadata_ptr, num_splits_ptr, main_blocks_ptr, num_blocks_ptr)`` and
+``(ptr, strides...)`` for each output.
 """
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .._runtime import interpreting, require_runnable
-from ..interface import DecodeProblem, heads_per_cta
+from ..formats import cache_bytes
+from ..problem import DecodeProblem
+from ..runtime import LOG2E, interpreting, require_runnable
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable
+from .backends import small_head_tile
+from .combine import combine_fwd, final_out_lse, split_accumulators
 
-LOG2E = 1.4426950408889634
-LAZY_RESCALE_DEFAULT = tl.constexpr(os.environ.get("SPARSE_MLA_LAZY_RESCALE", "0") == "1")
-LN2 = 0.6931471805599453
+__all__ = ["PortableConfig", "launch"]
+
+# how a token's cache address is computed (constexpr ADDR)
+ADDR_CONTIGUOUS_V32 = 0  # V32 cache whose blocks are contiguous: token address = slot * token_stride
+ADDR_POW2_PAGE = 1  # power-of-two page_block_size: shift and mask
+ADDR_GENERAL = 2  # integer division
+
+
+@dataclass(frozen=True)
+class PortableConfig:
+    """Launch parameters of the portable kernel (defaults: the measured best on the H200, docs/perf-log.md).
+
+    Attributes:
+        block_n: tokens gathered per step (a power of two dividing 64).
+        num_warps: warps per program.
+        num_stages: software-pipeline stages of the gather (compiled kernels; lowered automatically
+            when a variant does not fit in shared memory).
+    """
+
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"PortableConfig.{name}: expected a positive int, got {v!r}")
+        if TOPK_BLOCK_SIZE % self.block_n or self.block_n & (self.block_n - 1):
+            raise ValueError(f"PortableConfig.block_n: expected a power of two dividing {TOPK_BLOCK_SIZE}, got {self.block_n}")
 
 
 @triton.jit
 def _load_block_keys(
-    kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2,
-    idx_ptr, stride_ib, stride_is, stride_it,
-    req, sq, pos0, n_valid,
+    cache, sel, req, sq, pos0, n_valid,
     ADDR: tl.constexpr, IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
     TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """Gather and dequantise one block of 64 indexed tokens: (k_main [N, 512], k_tail [N, 64], valid [N])."""
+    """Gather and dequantise BLOCK_N indexed tokens: (k_main [N, 512], k_tail [N, 64], valid [N])."""
+    kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2 = cache
+    idx_ptr, stride_ib, stride_is, stride_it, _topk, _len_ptr = sel
     offs_n = pos0 + tl.arange(0, BLOCK_N)
     in_list = offs_n < n_valid
     idx = tl.load(idx_ptr + req * stride_ib + sq * stride_is + offs_n * stride_it, mask=in_list, other=-1)
     valid = in_list & (idx >= 0) & (idx < num_tokens)
     safe = tl.where(valid, idx, 0).to(tl.int64)
-    # ADDR 0: V32 cache whose blocks are contiguous (token address = idx * stride_tok);
-    # 1: power-of-two page_block_size (shift and mask); 2: general (integer division)
-    if ADDR == 0:
+    if ADDR == ADDR_CONTIGUOUS_V32:
         blk = safe * 0
         off = safe
-    elif ADDR == 1:
+    elif ADDR == ADDR_POW2_PAGE:
         blk = safe >> pbs_log2
         off = safe & (pbs - 1)
     else:
@@ -90,10 +126,7 @@ def _load_block_keys(
 
 @triton.jit
 def _block_step(
-    q_main, q_tail, m_i, l_i, acc,
-    kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2,
-    idx_ptr, stride_ib, stride_is, stride_it,
-    req, sq, blk_i, n_valid, scale_log2,
+    q_main, q_tail, m_i, l_i, acc, cache, sel, req, sq, blk_i, n_valid, scale_log2,
     ADDR: tl.constexpr, IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
     TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -101,27 +134,21 @@ def _block_step(
 ):
     """One BLOCK_N-token step of the online softmax; returns the updated (m, l, acc)."""
     k_main, k_tail, valid = _load_block_keys(
-        kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2,
-        idx_ptr, stride_ib, stride_is, stride_it,
-        req, sq, blk_i * BLOCK_N, n_valid,
+        cache, sel, req, sq, blk_i * BLOCK_N, n_valid,
         ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE,
     )
     s = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PREC)
     if IS_V32:
         s += tl.dot(q_tail, tl.trans(k_tail), input_precision=DOT_PREC)
     s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-    # Lazy rescaling: a row's running max moves only when the block's max exceeds it by more than
-    # RESCALE_TAU (log2 units), so P stays <= 2^RESCALE_TAU and most steps skip the O(H x 512)
-    # rescale of acc. (-inf - -inf is NaN, and NaN > tau is False: rows with nothing valid stay.)
+    # A row's running max moves only when the block's max exceeds it by more than RESCALE_TAU
+    # (log2 units), so P stays <= 2^RESCALE_TAU and alpha is 1 in most steps. (-inf - -inf is
+    # NaN, and NaN > tau is False: rows with nothing valid stay.)
     m_blk = tl.max(s, axis=1)
     grow = (m_blk - m_i) > RESCALE_TAU
     m_new = tl.where(grow, m_blk, m_i)
     alpha = tl.where(grow, tl.exp2(m_i - m_new), 1.0)
-    if LAZY_RESCALE_DEFAULT:
-        if tl.max(grow.to(tl.int32), axis=0) > 0:
-            acc = acc * alpha[:, None]
-    else:
-        acc = acc * alpha[:, None]
+    acc = acc * alpha[:, None]
     l_i = l_i * alpha
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -132,14 +159,11 @@ def _block_step(
 
 @triton.jit
 def _attend_blocks(
-    q_main, q_tail, m_i, l_i, acc,
-    kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2,
-    idx_ptr, stride_ib, stride_is, stride_it,
-    req, sq, blk_begin, blk_end, n_valid, scale_log2,
+    q_main, q_tail, m_i, l_i, acc, cache, sel, req, sq, blk_begin, blk_end, scale_log2,
     ADDR: tl.constexpr, IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
     TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr, SCHED_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_LEN: tl.constexpr, FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Online softmax over scheduler blocks [blk_begin, blk_end) of one cache, BLOCK_N tokens a step.
 
@@ -147,21 +171,23 @@ def _attend_blocks(
     (``NUM_STAGES``); under the interpreter a while loop runs instead (Triton 3.6's interpreter
     cannot take loaded values as range() bounds with NumPy >= 2.4). Returns the updated (m, l, acc).
     """
+    _idx_ptr, _sb, _ss, _st, topk, len_ptr = sel
+    n_valid = topk
+    if HAS_LEN:
+        n_valid = tl.minimum(tl.load(len_ptr + req), topk)
     sub_begin = blk_begin * (SCHED_BLOCK // BLOCK_N)
     sub_end = blk_end * (SCHED_BLOCK // BLOCK_N)
     if FOR_LOOP:
         for blk_i in tl.range(sub_begin, sub_end, num_stages=NUM_STAGES):
             m_i, l_i, acc = _block_step(
-                q_main, q_tail, m_i, l_i, acc, kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2,
-                idx_ptr, stride_ib, stride_is, stride_it, req, sq, blk_i, n_valid, scale_log2,
+                q_main, q_tail, m_i, l_i, acc, cache, sel, req, sq, blk_i, n_valid, scale_log2,
                 ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC,
             )
     else:
         blk_i = sub_begin
         while blk_i < sub_end:
             m_i, l_i, acc = _block_step(
-                q_main, q_tail, m_i, l_i, acc, kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2,
-                idx_ptr, stride_ib, stride_is, stride_it, req, sq, blk_i, n_valid, scale_log2,
+                q_main, q_tail, m_i, l_i, acc, cache, sel, req, sq, blk_i, n_valid, scale_log2,
                 ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC,
             )
             blk_i += 1
@@ -170,27 +196,24 @@ def _attend_blocks(
 
 @triton.jit
 def _sparse_decode_kernel(
-    q_ptr, stride_qb, stride_qs, stride_qh,
-    kv_ptr, stride_kblk, stride_ktok, num_tokens, pbs, pbs_log2,
-    idx_ptr, stride_ib, stride_is, stride_it, topk,
-    tl_ptr,
-    ekv_ptr, stride_eblk, stride_etok, e_num_tokens, e_pbs, e_pbs_log2,
-    eidx_ptr, stride_eib, stride_eis, stride_eit, e_topk,
-    etl_ptr,
-    sink_ptr,
-    meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr,
-    out_ptr, stride_ob, stride_os, stride_oh,
-    lse_ptr, stride_lb, stride_lh, stride_ls,
-    oacc_ptr, stride_ar, stride_as, stride_ah,
-    lacc_ptr, stride_lr, stride_lsq,
-    h_q, scale_log2,
-    ADDR: tl.constexpr, E_ADDR: tl.constexpr,
+    q, cache, sel, extra_cache, extra_sel, sink_ptr, sched, out, lse, o_acc, lse_acc, h_q, scale_log2,
+    ADDR: tl.constexpr, EXTRA_ADDR: tl.constexpr,
     IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
     TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCHED_BLOCK: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
+    """Grid ``(num_sm_parts, s_q, ceil(h_q / BLOCK_H))``. ``q = (ptr, stride_b, stride_s, stride_h)``;
+    ``out = (ptr, stride_b, stride_s, stride_h)``, ``lse = (ptr, stride_b, stride_h, stride_s)``;
+    ``o_acc = (ptr, stride_row, stride_s, stride_h)``, ``lse_acc = (ptr, stride_row, stride_s)``
+    (heads contiguous): the split rows of :func:`.combine.split_accumulators`."""
+    q_ptr, stride_qb, stride_qs, stride_qh = q
+    meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr = sched
+    out_ptr, stride_ob, stride_os, stride_oh = out
+    lse_ptr, stride_lb, stride_lh, stride_ls = lse
+    oacc_ptr, stride_ar, stride_as, stride_ah = o_acc
+    lacc_ptr, stride_lr, stride_lsq = lse_acc
     part = tl.program_id(0)
     sq = tl.program_id(1)
     hb = tl.program_id(2)
@@ -205,6 +228,7 @@ def _sparse_decode_kernel(
     hmask = heads < h_q
     cm = tl.arange(0, D_MAIN)
     ct = tl.arange(0, D_TAIL)
+    sink_log2 = tl.zeros([BLOCK_H], tl.float32)
     if HAS_SINK:
         sink_log2 = tl.load(sink_ptr + heads, mask=hmask, other=float("-inf")) * 1.4426950408889634
 
@@ -227,190 +251,126 @@ def _sparse_decode_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D_MAIN], tl.float32)
-
-        n_valid = topk
-        if HAS_TOPK_LEN:
-            n_valid = tl.minimum(tl.load(tl_ptr + req), topk)
+        # blocks [0, n_main) of a request are main-cache blocks, the rest extra-cache blocks
         m_i, l_i, acc = _attend_blocks(
-            q_main, q_tail, m_i, l_i, acc,
-            kv_ptr, stride_kblk, stride_ktok, num_tokens, pbs, pbs_log2,
-            idx_ptr, stride_ib, stride_is, stride_it,
-            req, sq, blk0, tl.minimum(blk1, n_main), n_valid, scale_log2,
+            q_main, q_tail, m_i, l_i, acc, cache, sel, req, sq, blk0, tl.minimum(blk1, n_main), scale_log2,
             ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, SCHED_BLOCK, DOT_DTYPE, DOT_PREC,
-            FOR_LOOP, NUM_STAGES,
+            HAS_TOPK_LEN, FOR_LOOP, NUM_STAGES,
         )
         if HAS_EXTRA:
-            e_valid = e_topk
-            if HAS_EXTRA_LEN:
-                e_valid = tl.minimum(tl.load(etl_ptr + req), e_topk)
             m_i, l_i, acc = _attend_blocks(
-                q_main, q_tail, m_i, l_i, acc,
-                ekv_ptr, stride_eblk, stride_etok, e_num_tokens, e_pbs, e_pbs_log2,
-                eidx_ptr, stride_eib, stride_eis, stride_eit,
-                req, sq, tl.maximum(blk0, n_main) - n_main, blk1 - n_main, e_valid, scale_log2,
-                E_ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, SCHED_BLOCK, DOT_DTYPE, DOT_PREC,
-                FOR_LOOP, NUM_STAGES,
+                q_main, q_tail, m_i, l_i, acc, extra_cache, extra_sel, req, sq,
+                tl.maximum(blk0, n_main) - n_main, blk1 - n_main, scale_log2,
+                EXTRA_ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, SCHED_BLOCK,
+                DOT_DTYPE, DOT_PREC, HAS_EXTRA_LEN, FOR_LOOP, NUM_STAGES,
             )
 
-        lonely = l_i == 0.0
-        l_safe = tl.where(lonely, 1.0, l_i)
-        m_safe = tl.where(lonely, 0.0, m_i)
-        lse2 = tl.where(lonely, float("-inf"), tl.log2(l_safe) + m_safe)
         if n_splits == 1:
-            denom = l_safe
-            if HAS_SINK:
-                denom += tl.exp2(sink_log2 - m_safe)
-            o = acc / denom[:, None]
-            o = tl.where(lonely[:, None], 0.0, o)
+            o, lse_v = final_out_lse(acc, l_i, m_i, sink_log2, HAS_SINK)
             optr = out_ptr + req * stride_ob + sq * stride_os + heads[:, None] * stride_oh + cm[None, :]
             tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-            lse = tl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
-            tl.store(lse_ptr + req * stride_lb + heads * stride_lh + sq * stride_ls, lse, mask=hmask)
+            tl.store(lse_ptr + req * stride_lb + heads * stride_lh + sq * stride_ls, lse_v, mask=hmask)
         else:
+            lonely = l_i == 0.0
+            l_safe = tl.where(lonely, 1.0, l_i)
+            lse2 = tl.where(lonely, float("-inf"), tl.log2(l_safe) + tl.where(lonely, 0.0, m_i))
             row = (split_base + split).to(tl.int64)
-            o = acc / l_safe[:, None]
             aptr = oacc_ptr + row * stride_ar + sq * stride_as + heads[:, None] * stride_ah + cm[None, :]
-            tl.store(aptr, o, mask=hmask[:, None])
+            tl.store(aptr, acc / l_safe[:, None], mask=hmask[:, None])
             tl.store(lacc_ptr + row * stride_lr + sq * stride_lsq + heads, lse2, mask=hmask)
         req += 1
 
 
-_DEFAULT_TUNE = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 _STAGE_CAP: dict = {}  # kernel variant -> most pipeline stages that fit in shared memory
 
 
-def _tuning() -> dict:
-    """Launch parameters; ``SPARSE_MLA_TUNE="BLOCK_N=32,num_warps=8"`` overrides them (benchmarks)."""
-    tune = dict(_DEFAULT_TUNE)
-    for kv in filter(None, os.environ.get("SPARSE_MLA_TUNE", "").split(",")):
-        k, v = kv.split("=")
-        if k not in tune:
-            raise ValueError(f"SPARSE_MLA_TUNE: unknown key {k!r}; known: {sorted(tune)}")
-        tune[k] = int(v)
-    if TOPK_BLOCK_SIZE % tune["BLOCK_N"]:
-        raise ValueError(f"SPARSE_MLA_TUNE: BLOCK_N must divide {TOPK_BLOCK_SIZE}")
-    return tune
+def _cache_args(kc: torch.Tensor, is_v32: bool) -> tuple[tuple, int]:
+    """The kernel's ``cache`` tuple for a cache tensor, and its ADDR mode."""
+    raw = cache_bytes(kc)
+    nb, pbs = raw.shape[0], raw.shape[1]
+    pow2 = pbs & (pbs - 1) == 0
+    if is_v32 and (nb == 1 or raw.stride(0) == pbs * raw.stride(1)):
+        addr = ADDR_CONTIGUOUS_V32
+    else:
+        addr = ADDR_POW2_PAGE if pow2 else ADDR_GENERAL
+    return (raw, raw.stride(0), raw.stride(1), nb * pbs, pbs, pbs.bit_length() - 1 if pow2 else 0), addr
 
 
-def _backend() -> str:
-    """``SPARSE_MLA_BACKEND``: ``auto`` (default), ``tl`` (portable kernel) or ``gluon`` (Hopper kernel)."""
-    b = os.environ.get("SPARSE_MLA_BACKEND", "auto")
-    if b not in ("auto", "tl", "gluon"):
-        raise ValueError(f"SPARSE_MLA_BACKEND: expected 'auto', 'tl' or 'gluon', got {b!r}")
-    return b
+def _sel_args(indices: torch.Tensor, lengths: "torch.Tensor | None", dummy: torch.Tensor) -> tuple:
+    return (indices, *indices.stride(), indices.shape[2], lengths if lengths is not None else dummy)
 
 
-def gluon_supported(p: DecodeProblem) -> bool:
-    """Whether the warp-specialised Hopper kernel (:mod:`.sparse_decode_gluon`) serves this call:
-    compiled (not interpreted) on an sm_90 GPU, V32 layout, no extra cache (any h_q)."""
-    dev = p.q.device
-    return (
-        dev.type == "cuda"
-        and not interpreting()
-        and torch.cuda.get_device_capability(dev)[0] == 9
-        and p.layout.name == "V32"
-        and p.extra_k_cache is None
-    )
-
-
-def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the split-KV kernel (and the combine kernel when a batch is split).
-
-    On Hopper, calls that :func:`gluon_supported` accepts run the warp-specialised Gluon kernel
-    (same contract, measured faster: docs/perf.md); everything else runs the portable ``tl``
-    kernel below. ``SPARSE_MLA_BACKEND=tl`` forces the portable kernel, ``=gluon`` the Gluon one
-    (``NotImplementedError`` where it does not apply).
+def launch(p: DecodeProblem, table: ScheduleTable, config: "PortableConfig | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the portable split-KV kernel, and the combine kernel when some batch is split.
 
     Args:
-        p: a validated call (:func:`sparse_mla.interface.validate_sparse_decode`).
-        table: the scheduler table on ``p.q``'s device.
+        p: a validated, non-empty problem (:func:`sparse_mla.problem.validate_sparse_decode`).
+        table: its schedule on ``p.q``'s device, sized for this backend's tile.
+        config: launch parameters (default :class:`PortableConfig`).
 
     Returns:
         ``out [b, s_q, h_q, 512]`` bf16, ``lse [b, h_q, s_q]`` fp32.
     """
-    from .combine import combine_fwd, split_accumulators
-
-    backend = _backend()
-    if backend == "gluon" or (backend == "auto" and gluon_supported(p)):
-        if not gluon_supported(p):
-            raise NotImplementedError(
-                "SPARSE_MLA_BACKEND=gluon: the Gluon kernel needs an sm_90 GPU, the V32 layout and no extra cache"
-            )
-        from .sparse_decode_gluon import sparse_decode_fwd as gluon_fwd
-
-        return gluon_fwd(p, table)
     require_runnable(_sparse_decode_kernel, p.q.device)
+    config = config or PortableConfig()
     q = p.q
     b, s_q, h_q, _ = q.shape
     lay = p.layout
     dev = q.device
-    block_h = heads_per_cta(h_q)
-    tune = _tuning()
-    n_hb = triton.cdiv(h_q, block_h)
+    block_h = small_head_tile(h_q)  # the tile the portable backend declared to the scheduler
     interp = interpreting()
     # Triton 3.6's interpreter truncates fp32 -> bf16 instead of rounding to nearest even: there
     # the kernels write fp32 and torch rounds once at the end (compiled kernels write bf16).
     out = torch.empty(b, s_q, h_q, p.d_v, dtype=torch.float32 if interp else torch.bfloat16, device=dev)
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=dev)
-    any_split = table.any_split
     o_acc, l_acc = split_accumulators(b, s_q, h_q, p.d_v, table.num_sm_parts, table.any_split, dev)
-
-    def cache_args(kc):
-        raw = kc if kc.dtype == torch.uint8 else kc.view(torch.uint8)
-        pbs = raw.shape[1]
-        pow2 = pbs & (pbs - 1) == 0
-        return raw, raw.stride(0), raw.stride(1), raw.shape[0] * pbs, pbs, pbs.bit_length() - 1 if pow2 else 0
-
-    def addr_mode(kc):
-        if lay.name == "V32" and (kc.shape[0] == 1 or kc.stride(0) == kc.shape[1] * kc.stride(1)):
-            return 0
-        return 1 if kc.shape[1] & (kc.shape[1] - 1) == 0 else 2
-
-    kv = cache_args(p.k_cache)
-    has_extra = p.extra_k_cache is not None
-    ekv = cache_args(p.extra_k_cache) if has_extra else kv
-    eidx = p.extra_indices if has_extra else p.indices
-    dummy_i32 = table.num_splits
     is_v32 = lay.name == "V32"
-    grid = (table.num_sm_parts, s_q, n_hb)
+    dummy_i32 = table.num_splits
+    cache, addr = _cache_args(p.k_cache, is_v32)
+    sel = _sel_args(p.indices, p.topk_length, dummy_i32)
+    has_extra = p.extra_k_cache is not None
+    extra_cache, extra_addr = _cache_args(p.extra_k_cache, is_v32) if has_extra else (cache, addr)
+    extra_sel = _sel_args(p.extra_indices, p.extra_topk_length, dummy_i32) if has_extra else sel
     args = (
-        q, q.stride(0), q.stride(1), q.stride(2),
-        *kv, p.indices, *p.indices.stride(), p.indices.shape[2],
-        p.topk_length if p.topk_length is not None else dummy_i32,
-        *ekv, eidx, *eidx.stride(), eidx.shape[2],
-        p.extra_topk_length if p.extra_topk_length is not None else dummy_i32,
+        (q, q.stride(0), q.stride(1), q.stride(2)), cache, sel, extra_cache, extra_sel,
         p.attn_sink if p.attn_sink is not None else l_acc,
-        table.metadata, table.num_splits, table.main_blocks, table.num_blocks_t,
-        out, out.stride(0), out.stride(1), out.stride(2),
-        lse, lse.stride(0), lse.stride(1), lse.stride(2),
-        o_acc, o_acc.stride(0), o_acc.stride(1), o_acc.stride(2),
-        l_acc, l_acc.stride(0), l_acc.stride(1),
+        (table.metadata, table.num_splits, table.main_blocks, table.num_blocks_t),
+        (out, out.stride(0), out.stride(1), out.stride(2)),
+        (lse, lse.stride(0), lse.stride(1), lse.stride(2)),
+        (o_acc, o_acc.stride(0), o_acc.stride(1), o_acc.stride(2)),
+        (l_acc, l_acc.stride(0), l_acc.stride(1)),
         h_q, p.sm_scale * LOG2E,
     )
     consts = dict(
-        ADDR=addr_mode(p.k_cache), E_ADDR=addr_mode(p.extra_k_cache) if has_extra else 0,
+        ADDR=addr, EXTRA_ADDR=extra_addr,
         IS_V32=is_v32, D_MAIN=512, D_NOPE=lay.d_nope, D_TAIL=64,
         TILE=lay.tile, MAIN_TILES=512 // lay.tile, NUM_TILES=lay.num_tiles,
-        BLOCK_H=block_h, BLOCK_N=tune["BLOCK_N"], SCHED_BLOCK=TOPK_BLOCK_SIZE,
+        BLOCK_H=block_h, BLOCK_N=config.block_n, SCHED_BLOCK=TOPK_BLOCK_SIZE,
         HAS_TOPK_LEN=p.topk_length is not None, HAS_EXTRA=has_extra,
         HAS_EXTRA_LEN=p.extra_topk_length is not None, HAS_SINK=p.attn_sink is not None,
-        # the interpreter's bf16 dot is wrong (DESIGN §8): fp32 operands, exact (ieee) products there
+        # the interpreter's bf16 dot is wrong (docs/design.md, environment): fp32 operands, exact
+        # (ieee) products there
         DOT_DTYPE=tl.float32 if interp else tl.bfloat16, DOT_PREC="ieee" if interp else None,
         FOR_LOOP=not interp,
     )
-    # a pipelined variant can need more shared memory than the GPU has (seen: MODEL1 with an extra
-    # cache, 246 KB at num_stages=2 on an H200): fall back to fewer stages, once per variant
-    key = (dev.type, dev.index, tuple(sorted((k, str(v)) for k, v in consts.items())), tune["num_warps"])
-    stages = min(tune["num_stages"], _STAGE_CAP.get(key, tune["num_stages"]))
+    _launch_fitting(args, consts, (table.num_sm_parts, s_q, triton.cdiv(h_q, block_h)), config, dev)
+    if table.any_split:
+        combine_fwd(o_acc, l_acc, table.num_splits, out, lse, p.attn_sink)
+    return out.to(torch.bfloat16), lse
+
+
+def _launch_fitting(args: tuple, consts: dict, grid: tuple, config: PortableConfig, dev: torch.device) -> None:
+    """Launch with ``config.num_stages`` pipeline stages, or fewer when the variant does not fit in
+    shared memory (seen: MODEL1 with an extra cache wants 246 KB at 2 stages on an H200); the
+    stage count that fits is remembered per variant."""
+    key = (dev.type, dev.index, tuple(sorted((k, str(v)) for k, v in consts.items())), config.num_warps)
+    stages = min(config.num_stages, _STAGE_CAP.get(key, config.num_stages))
     while True:
         try:
-            _sparse_decode_kernel[grid](*args, **consts, NUM_STAGES=stages, num_warps=tune["num_warps"])
-            break
+            _sparse_decode_kernel[grid](*args, **consts, NUM_STAGES=stages, num_warps=config.num_warps)
+            return
         except triton.runtime.errors.OutOfResources:
             if stages <= 1:
                 raise
             stages -= 1
             _STAGE_CAP[key] = stages
-    if any_split:
-        combine_fwd(o_acc, l_acc, table.num_splits, out, lse, p.attn_sink)
-    return out.to(torch.bfloat16), lse

@@ -16,7 +16,7 @@ run (the Triton kernels cannot be imported -- the message says why -- or ``--dev
 without CUDA; ``--reference`` runs the PyTorch path instead) and for usage errors.
 
 The Triton interpreter must be chosen before Triton compiles anything, so this module imports
-nothing from Triton or ``sparse_mla.ops`` at import time; ``demo`` sets ``TRITON_INTERPRET=1``
+nothing from Triton or the kernel modules at import time; ``demo`` sets ``TRITON_INTERPRET=1``
 (unless already set) before the first kernel module is imported when it runs on the CPU.
 """
 from __future__ import annotations
@@ -44,10 +44,8 @@ SEED_NUM_BLOCKS = 160  # 10,240 cache slots: the walkthrough's indices go up to 
 SEED_COMBINE_LSE = (4.2, 3.8, 2.1)
 
 # FlashMLA's test tolerances against the fp32 reference (docs/design.md, section 6)
-OUT_ABS_TOL, OUT_REL_TOL, COS_DIST_TOL = 1e-3, 2.01 / 128, 5e-6
-LSE_ABS_TOL, LSE_REL_TOL = 1e-6, 8 / 65536
 
-KERNEL_MODULE = "sparse_mla.ops.sparse_decode"
+KERNEL_MODULE = "sparse_mla.decode.portable"
 
 #: where the walkthrough's step numbers and the tolerances are explained (shipped in the repository)
 DESIGN_DOC = "docs/design.md"
@@ -109,14 +107,6 @@ def _ranges(ids: Sequence[int]) -> str:
     return ", ".join(out)
 
 
-def _diff(a: "torch.Tensor", b: "torch.Tensor") -> "torch.Tensor":
-    """|a - b| in float64 with equal infinities counted as 0."""
-    import torch
-
-    a, b = a.double(), b.double()
-    return torch.where(a == b, torch.zeros_like(a), (a - b).abs())
-
-
 def describe_import_error(e: ImportError) -> str:
     """The real cause of a failed kernel import, in words (``numpy is not installed ...``)."""
     root = (getattr(e, "name", None) or "").split(".")[0]
@@ -175,7 +165,7 @@ def quiet_interpreter() -> Iterator[None]:
 def _section_config(console: "Console") -> None:
     from rich.table import Table
 
-    from .kvcache import V32
+    from ..formats import V32
 
     console.rule("[bold]a. DeepSeek-V3.2 attention config -> kernel dimensions (walkthrough step 0, docs/design.md)")
     t = Table(show_lines=False)
@@ -200,7 +190,7 @@ def _section_token(console: "Console", seed: int) -> None:
     import torch
     from rich.table import Table
 
-    from .kvcache import MODEL1, V32, dequantize_k_cache, quantize_k_cache
+    from ..formats import MODEL1, V32, dequantize_k_cache, quantize_k_cache
 
     console.rule("[bold]b. One token in the FP8 cache: V32 layout, 656 bytes (walkthrough step 4)")
     g = torch.Generator().manual_seed(seed)
@@ -290,8 +280,8 @@ def _section_token(console: "Console", seed: int) -> None:
 def _section_schedule(console: "Console") -> Any:
     from rich.table import Table
 
-    from .interface import heads_per_cta
-    from .scheduler import FIXED_OVERHEAD_NUM_BLOCKS, META_FIELDS, batch_num_blocks, compute_num_sm_parts, schedule
+    from ..decode.backends import small_head_tile as heads_per_cta
+    from ..scheduler import FIXED_OVERHEAD_NUM_BLOCKS, META_FIELDS, batch_num_blocks, compute_num_sm_parts, schedule
 
     b, s_q, h_q, topk = SEED_B, SEED_S_Q, SEED_H_Q, SEED_TOPK
     console.rule(f"[bold]c. Tile scheduler: {SEED_NUM_SMS} SMs, b={b}, s_q={s_q}, h_q={h_q}, topk={topk} (walkthrough step 3)")
@@ -337,7 +327,8 @@ def _section_decode(console: "Console", args: argparse.Namespace, device: "torch
 
     import sparse_mla
 
-    from .reference import sparse_decode_reference, sparse_decode_split_reference
+    from ..reference import sparse_decode_reference, sparse_decode_split_reference
+    from ..testing import FLASHMLA_DECODE, cos_diff, decode_closeness
 
     b, s_q, h_q, topk, pbs = SEED_B, SEED_S_Q, SEED_H_Q, SEED_TOPK, SEED_PAGE_BLOCK
     d_qk, d_v = 576, 512
@@ -413,24 +404,16 @@ def _section_decode(console: "Console", args: argparse.Namespace, device: "torch
     checks.append(("lse shape / dtype", f"{list(lse.shape)} {str(lse.dtype).replace('torch.', '')}",
                    f"{list(want_lse)} float32", tuple(lse.shape) == want_lse and lse.dtype == torch.float32))
     if tuple(out.shape) == want_out and tuple(lse.shape) == want_lse:
+        tol = FLASHMLA_DECODE
+        c = decode_closeness(out, lse, ref_out, ref_lse, tol)
         o, r = out.double(), ref_out.double()
-        d_out = _diff(o, r)
-        bound = OUT_ABS_TOL + OUT_REL_TOL * r.abs()
-        worst = (d_out - bound).max().item()
-        checks.append(("out max |Δ|", f"{d_out.max().item():.3e}", "1e-3 + 2.01/128·|ref| (elementwise)",
-                       bool(torch.isfinite(o).all()) and worst <= 0))
-        num, den = (o * r).sum().item(), (o * o + r * r).sum().item()
-        cos_dist = 1 - 2 * num / max(den, 1e-300)
-        cos_sim = num / max((o.norm() * r.norm()).item(), 1e-300)
+        cos_sim = (o * r).sum().item() / max((o.norm() * r.norm()).item(), 1e-300)
+        checks.append(("out max |Δ|", f"{c.out_max_abs_err:.3e}", f"{tol.out_abs:g} + {tol.out_rel * 128:g}/128·|ref| (elementwise)",
+                       c.out_within))
         checks.append(("out cosine similarity", f"{cos_sim:.9f}", "", None))
-        checks.append(("out cosine distance", f"{cos_dist:.3e}", f"1 − 2Σxy/Σ(x²+y²) ≤ {COS_DIST_TOL:g}",
-                       cos_dist <= COS_DIST_TOL))
-        rb = r.to(torch.bfloat16).double()  # what rounding the exact result to bf16 alone costs
-        floor_cd = 1 - 2 * (rb * r).sum().item() / max((rb * rb + r * r).sum().item(), 1e-300)
-        l, lr = lse.double(), ref_lse.double()
-        d_lse = _diff(l, lr)
-        lse_ok = bool((d_lse <= LSE_ABS_TOL + LSE_REL_TOL * lr.abs()).all()) and not bool(torch.isnan(l).any())
-        checks.append(("lse max |Δ|", f"{d_lse.max().item():.3e}", "1e-6 + 8/65536·|ref| (elementwise)", lse_ok))
+        checks.append(("out cosine distance", f"{c.out_cos_dist:.3e}", f"1 − 2Σxy/Σ(x²+y²) ≤ {tol.out_cos:g}", c.cos_within))
+        checks.append(("lse max |Δ|", f"{c.lse_max_abs_err:.3e}", f"{tol.lse_abs:g} + {tol.lse_rel * 65536:g}/65536·|ref| (elementwise)",
+                       c.lse_within))
     if not (args.reference and device.type == "cuda"):
         same = (
             sched_meta.tile_scheduler_metadata is not None
@@ -448,6 +431,7 @@ def _section_decode(console: "Console", args: argparse.Namespace, device: "torch
         t.add_row(what, val, bnd, "" if ok is None else "[green]ok[/green]" if ok else "[red]FAIL[/red]")
     console.print(t)
     if tuple(out.shape) == want_out and tuple(lse.shape) == want_lse:
+        floor_cd = cos_diff(ref_out.to(torch.bfloat16), ref_out)
         console.print(
             f"[dim]for scale: rounding the exact result to bf16 (to nearest even) alone gives cosine distance "
             f"{floor_cd:.3e}.[/dim]"
@@ -466,7 +450,7 @@ def _section_combine(console: "Console") -> None:
     import torch
     from rich.table import Table
 
-    from .reference import LOG2E, combine_weights
+    from ..reference import LOG2E, combine_weights
 
     console.rule("[bold]e. Combine: merging 3 splits by their log2-space LSE (walkthrough step 16)")
     lse2 = torch.tensor(SEED_COMBINE_LSE, dtype=torch.float64)
@@ -511,7 +495,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Walk the walkthrough's worked example; 0 = PASS, 1 = FAIL, 2 = could not run."""
     device = _pick_device(args.device)
     if device.type == "cpu" and not args.reference:
-        # before anything imports triton or sparse_mla.ops: run the kernels in the interpreter
+        # before anything imports triton or a kernel module: run the kernels in the interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
@@ -558,7 +542,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     p = argparse.ArgumentParser(
         prog="sparse-mla",

@@ -1,4 +1,6 @@
-"""Where the kernels run: the one place that reads ``TRITON_INTERPRET``.
+"""Where the kernels run: the one place that reads the environment (``TRITON_INTERPRET``, and
+``SPARSE_MLA_BACKEND``, a debugging override of the decode backend), and the numeric constants
+the kernels share.
 
 Triton decides when a kernel is *defined* (``@triton.jit`` at import of its module) whether it
 will be compiled or interpreted. CPU tensors can run only interpreted kernels, CUDA tensors
@@ -8,12 +10,16 @@ Triton's "0 active drivers".
 """
 from __future__ import annotations
 
+import math
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["interpreting", "use_triton", "require_runnable"]
+__all__ = ["interpreting", "use_triton", "require_runnable", "backend_override", "LOG2E", "LN2"]
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
 def interpreting() -> bool:
@@ -43,3 +49,10 @@ def require_runnable(kernel: Any, device: torch.device) -> None:
             "when a kernel is defined, so set it before Python starts (e.g. `TRITON_INTERPRET=1 python ...`) "
             "or before the first kernel call, or pass CUDA tensors"
         )
+
+
+def backend_override() -> Optional[str]:
+    """``SPARSE_MLA_BACKEND`` if set and not ``auto`` (for debugging: it replaces a caller's
+    ``backend="auto"``, never an explicit choice). Validated by the dispatcher."""
+    name = os.environ.get("SPARSE_MLA_BACKEND", "auto")
+    return None if name == "auto" else name

@@ -1,20 +1,22 @@
-"""Warp-specialised split-KV sparse decode for Hopper, written in Gluon (prototype, V32 layout only).
+"""Warp-specialised split-KV sparse decode for Hopper (sm_90), written in Gluon: the ``hopper``
+backend (V32 cache, no extra cache, any h_q in 64-head tiles). Twin:
+:func:`sparse_mla.decode.reference.sparse_decode_split_reference`.
 
-Same launcher contract as :func:`sparse_mla.ops.sparse_decode.sparse_decode_fwd` (same scheduler
-partition walk, same outputs: final bf16 ``out`` + natural-log ``lse`` for unsplit batches, fp32
-partial O normalised by its own sum + log2-space LSE rows ``num_splits[req] + split`` for split
-batches, merged by :mod:`sparse_mla.ops.combine`).
+Same launch contract as :func:`sparse_mla.decode.portable.launch` (same scheduler partition walk,
+same outputs: final bf16 ``out`` + natural-log ``lse`` for unsplit batches, fp32 partial O
+normalised by its own sum + log2-space LSE rows ``num_splits[req] + split`` for split batches,
+merged by :mod:`.combine`).
 
 Structure of one CTA (one scheduler partition x one query token x 64 heads), FlashMLA-like:
 
-* **producer partition** (worker, ``PRODUCER_WARPS`` = 4 warps, ``PRODUCER_REGS`` registers): for every
+* **producer partition** (worker, ``HopperConfig.producer_warps`` = 4 warps, ``producer_regs`` registers): for every
   64-index block of the partition's walk it takes the block's 64 indices (loaded one block ahead),
   issues every gather of the block at once with 16-byte loads (the 512 NoPE bytes as one
   ``[64, 4, 128]`` tile, the 4 power-of-two float32 scales as one load per token, the 64 bf16
   RoPE values), only then waits for a free stage of the 2-stage smem ring, dequantises to bf16
   (fp8 -> bf16 is exact, and so is the product with a power-of-two scale) and stores the
   ``[64, 576]`` bf16 K tile into the stage with one store per part (128-B swizzled NVMMA layout,
-  wgmma-ready), plus an additive fp32 mask row (0 for a valid token, -inf otherwise). Invalid
+  wgmma-ready), plus an fp32 mask row (0 for a valid token, -inf otherwise). Invalid
   tokens are never loaded (K row = 0). Then ``fence_async_shared`` and an mbarrier arrive on
   ``ready[stage]``.
 * **consumer = default partition** (8 warps = 2 warpgroups): per request piece it stages
@@ -28,21 +30,24 @@ Structure of one CTA (one scheduler partition x one query token x 64 heads), Fla
   (``empty[stage]`` arrive).
 
 Shared memory (power-of-two shapes only, so Q and K are NoPE [.., 512] + RoPE [.., 64] allocations):
-Q 72 KiB + K ring 2 x 72 KiB + P 8 KiB + masks 512 B + barriers = 230,500 B as compiled (the
-H100/H200 opt-in limit is 232,448 B). Registers: ``maxnreg`` 168 for 12 warps (1 CTA/SM); the
-producer runs at ``PRODUCER_REGS`` (128: one block's gathers in flight), the consumer at what is
-left (184, ``setmaxnreg``). ptxas (sm_90a): ~200 B of spills, nearly all outside the block loops
-(loop-invariant addresses; 1 store / 2 loads in the consumer's loop); see
-``scripts/gluon_compile_check.py``. Where the time goes (producer alone, consumer alone, ncu stall
-samples) is in ``docs/perf.md``; ``SPARSE_MLA_GLUON_PROFILE`` switches the profiling modes.
+Q + a 2-stage K ring + P + masks + barriers, just under the H100/H200 opt-in limit of 227 KiB.
+Registers: ``maxnreg`` for 12 warps (1 CTA/SM); the producer runs at ``producer_regs`` (one
+block's gathers in flight), the consumer at what is left (``setmaxnreg``).
+``scripts/gluon_compile_check.py`` prints the compiled budget (smem, registers, spills); where
+the time goes (producer alone, consumer alone, ncu stall samples) is in docs/perf-log.md, measured
+with the profiling modes of :class:`HopperConfig` (set only by the profiling tools).
 
 h_q that is not a multiple of 64 (e.g. 16 or 32 heads of a tensor-parallel slice) runs in 64-head
-tiles whose rows past h_q are zero queries that are never stored. Not supported in this prototype
-(``NotImplementedError``): MODEL1 layout, extra cache.
+tiles whose rows past h_q are zero queries that are never stored.
+
+Inside the kernel the partitions take their arguments as tuples: ``sched = (metadata_ptr,
+num_splits_ptr, main_blocks_ptr, num_blocks_ptr)``, ``ring = (k_smem, kr_smem, mask_smem,
+ready_bars, empty_bars)`` and one ``(ptr, strides...)`` tuple per output; both read their
+partition's scheduler row with :func:`_partition_row`.
 """
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -53,28 +58,76 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
 )
 
-from ..interface import DecodeProblem
+from ..formats import cache_bytes
+from ..problem import DecodeProblem
+from ..runtime import LOG2E
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable
+from .combine import combine_fwd, split_accumulators
 
-LOG2E = 1.4426950408889634
+__all__ = ["HopperConfig", "launch", "PROFILE_OFF", "PROFILE_PRODUCER_ONLY", "PROFILE_CONSUMER_ONLY", "PROFILE_CACHED_TOKEN"]
 
 BLOCK_H = 64  # heads per CTA (wgmma M)
 BLOCK_N = 64  # tokens per block (= scheduler block)
 D_NOPE = gl.constexpr(512)
 D_ROPE = gl.constexpr(64)
-D_QK = gl.constexpr(576)
 NUM_STAGES = gl.constexpr(2)
 CONSUMER_WARPS = 8
-PRODUCER_WARPS = 4  # 8 (two producer warpgroups) does not fit: ptxas wants >= 154 registers per thread at 16 warps
-PRODUCER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_PRODUCER_REGS", "128"))
-MAXNREG = int(os.environ.get("SPARSE_MLA_GLUON_MAXNREG", "168"))
-# experiment knobs (benchmarks/gluon_variants.py): PROFILE 0 = normal; 1 = consumer skips its work
-# (producer alone); 2 = producer skips gathers/convert (consumer alone); 3 = producer gathers one
-# cache-resident token for every row (convert without HBM latency). Outputs are garbage for 1-3.
-PROFILE = int(os.environ.get("SPARSE_MLA_GLUON_PROFILE", "0"))
+
+# profiling modes (HopperConfig.profile; set only by scripts/profile_gluon.py and the benchmarks'
+# variant runner): outputs are garbage in every mode but OFF
+PROFILE_OFF = 0
+PROFILE_PRODUCER_ONLY = 1  # the consumer skips its work: the producer's time alone
+PROFILE_CONSUMER_ONLY = 2  # the producer skips gathers and conversion: the consumer's time alone
+PROFILE_CACHED_TOKEN = 3  # the producer gathers one cache-resident token for every row (no HBM latency)
+
+
+@dataclass(frozen=True)
+class HopperConfig:
+    """Launch parameters of the Hopper kernel (defaults: the measured best on the H200, docs/perf-log.md).
+
+    Attributes:
+        producer_warps: warps of the producer partition (8 does not fit: ptxas needs >= 154
+            registers per thread at 16 warps).
+        producer_regs: registers per producer thread (``setmaxnreg``).
+        maxnreg: register cap of the kernel (the consumer gets what the producer leaves).
+        profile: a ``PROFILE_*`` mode (profiling tools only).
+    """
+
+    producer_warps: int = 4
+    producer_regs: int = 128
+    maxnreg: int = 168
+    profile: int = PROFILE_OFF
+
+    def __post_init__(self) -> None:
+        for name in ("producer_warps", "producer_regs", "maxnreg"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"HopperConfig.{name}: expected a positive int, got {v!r}")
+        if self.profile not in (PROFILE_OFF, PROFILE_PRODUCER_ONLY, PROFILE_CONSUMER_ONLY, PROFILE_CACHED_TOKEN):
+            raise ValueError(f"HopperConfig.profile: expected one of the PROFILE_* modes 0-3, got {self.profile!r}")
+
+
 # producer register layouts: 8 token rows x 4 threads per warp, 16 bytes per thread. With 4 rows x 8
 # threads the stores into the 128-B swizzled K tile took 1.7x the ideal smem wavefronts (ncu)
 TPW_ROWS = gl.constexpr(8)
+
+
+# --------------------------------------------------------------------------------------------- schedule walk
+@gluon.jit
+def _partition_row(meta_ptr):
+    """This CTA's scheduler row: (begin_req, end_req, begin_block, end_block, begin_split)."""
+    mrow = meta_ptr + gl.program_id(0) * 8
+    return gl.load(mrow + 0), gl.load(mrow + 1), gl.load(mrow + 2), gl.load(mrow + 3), gl.load(mrow + 4)
+
+
+@gluon.jit
+def _request_blocks(sched, prow, req):
+    """The main-cache blocks [blk0, blk1) of request ``req`` inside this partition (row ``prow``)."""
+    _meta_ptr, _nsplit_ptr, mainblk_ptr, nblk_ptr = sched
+    begin_req, end_req, begin_block, end_block, _begin_split = prow
+    blk0 = gl.where(req == begin_req, begin_block, 0)
+    blk1 = gl.where(req == end_req, end_block, gl.load(nblk_ptr + req))
+    return blk0, gl.minimum(blk1, gl.load(mainblk_ptr + req))
 
 
 # --------------------------------------------------------------------------------------------- producer
@@ -87,13 +140,13 @@ def _load_block_indices(ibase, stride_it, pos0, n_valid, ROW8: gl.constexpr):
 
 @gluon.jit
 def _producer(
-    kv_ptr, stride_blk, stride_tok, num_tokens, pbs,
-    idx_ptr, stride_ib, stride_is, stride_it, topk,
-    tl_ptr, meta_ptr, mainblk_ptr, nblk_ptr,
-    k_smem, kr_smem, mask_smem, ready_bars, empty_bars,
-    HAS_TOPK_LEN: gl.constexpr, PBS_POW2: gl.constexpr, PBS_LOG2: gl.constexpr,
-    PROFILE_: gl.constexpr,
+    cache, sel, sched, ring,
+    HAS_TOPK_LEN: gl.constexpr, PBS_POW2: gl.constexpr, PBS_LOG2: gl.constexpr, PROFILE: gl.constexpr,
 ):
+    """Gather, dequantise and stage the K tiles of this partition's blocks (see the module doc)."""
+    kv_ptr, stride_blk, stride_tok, num_tokens, pbs = cache
+    idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr = sel
+    k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
     P_WARPS: gl.constexpr = gl.num_warps()
     # rows (tokens) of a [64, 128]-byte tile: the layout the 64 indices are loaded and decoded in
     LD8: gl.constexpr = gl.BlockedLayout([1, 16], [TPW_ROWS, 32 // TPW_ROWS], [P_WARPS, 1], [1, 0])
@@ -103,13 +156,9 @@ def _producer(
     ROWR: gl.constexpr = gl.SliceLayout(1, LDR)
     COLR: gl.constexpr = gl.SliceLayout(0, LDR)
 
-    part = gl.program_id(0)
     sq = gl.program_id(1)
-    mrow = meta_ptr + part * 8
-    begin_req = gl.load(mrow + 0)
-    end_req = gl.load(mrow + 1)
-    begin_block = gl.load(mrow + 2)
-    end_block = gl.load(mrow + 3)
+    prow = _partition_row(sched[0])
+    begin_req, end_req = prow[0], prow[1]
 
     colsr = gl.arange(0, D_ROPE, layout=COLR)
     # NoPE bytes as [64 tokens, 4 column tiles, 128 bytes]: 16 contiguous bytes per thread
@@ -121,12 +170,10 @@ def _producer(
     it = 0
     req = begin_req
     while req <= end_req:
-        blk0 = gl.where(req == begin_req, begin_block, 0)
-        blk1 = gl.where(req == end_req, end_block, gl.load(nblk_ptr + req))
-        blk1 = gl.minimum(blk1, gl.load(mainblk_ptr + req))
+        blk0, blk1 = _request_blocks(sched, prow, req)
         n_valid = topk
         if HAS_TOPK_LEN:
-            n_valid = gl.minimum(gl.load(tl_ptr + req), topk)
+            n_valid = gl.minimum(gl.load(topk_len_ptr + req), topk)
         ibase = idx_ptr + req.to(gl.int64) * stride_ib + sq * stride_is
         # the first block's indices; every iteration then loads the next block's (prefetch)
         idx_next = _load_block_indices(ibase, stride_it, blk0 * 64, n_valid, ROW8)
@@ -134,7 +181,7 @@ def _producer(
             stage = it % 2
             phase = (it // 2) & 1
             pos0 = blk * 64
-            if PROFILE_ == 2:
+            if PROFILE == 2:
                 mbarrier.wait(empty_bars.index(stage), phase ^ 1)
                 fence_async_shared()
                 gl.thread_barrier()
@@ -146,7 +193,7 @@ def _producer(
                 idx_next = _load_block_indices(ibase, stride_it, pos0 + 64, gl.minimum(n_valid, blk1 * 64), ROW8)
                 v8 = in8 & (idx8 >= 0) & (idx8 < num_tokens)
                 s8 = gl.where(v8, idx8, 0)
-                if PROFILE_ == 3:
+                if PROFILE == 3:
                     s8 = s8 * 0
                 if PBS_POW2:
                     b8 = s8 >> PBS_LOG2
@@ -164,7 +211,7 @@ def _producer(
                 v3 = gl.convert_layout(v8, ROW3)
                 # every gather of the block is in flight before the wait for a free stage: the 512
                 # NoPE bytes as one [64, 4, 128] tile (16-byte loads), the 4 scales as one 16-byte
-                # load per token, the 64 bf16 RoPE values (PRODUCER_REGS = 128 holds them)
+                # load per token, the 64 bf16 RoPE values (producer_regs = 128 holds them)
                 p3 = (kv_ptr + gl.expand_dims(gl.expand_dims(tok3, 1), 2)
                       + gl.expand_dims(gl.expand_dims(t3, 0), 2) * 128 + gl.expand_dims(gl.expand_dims(c3, 0), 1))
                 raw = gl.load(p3, mask=gl.expand_dims(gl.expand_dims(v3, 1), 2), other=0)
@@ -190,16 +237,17 @@ def _producer(
 # --------------------------------------------------------------------------------------------- consumer
 @gluon.jit
 def _consumer(
-    q_ptr, stride_qb, stride_qs, stride_qh,
-    sink_ptr, meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr,
-    out_ptr, stride_ob, stride_os, stride_oh,
-    lse_ptr, stride_lb, stride_lh, stride_ls,
-    oacc_ptr, stride_ar, stride_as, stride_ah,
-    lacc_ptr, stride_lr, stride_lsq,
-    scale_log2, h_q,
-    q_smem, qr_smem, k_smem, kr_smem, p_smem, mask_smem, ready_bars, empty_bars,
-    HAS_SINK: gl.constexpr, PROFILE_: gl.constexpr,
+    q, sink_ptr, sched, out, lse, o_acc, lse_acc, scale_log2, h_q, q_smem, qr_smem, p_smem, ring,
+    HAS_SINK: gl.constexpr, PROFILE: gl.constexpr,
 ):
+    """QKᵀ, online softmax and P·V over the staged K tiles; writes out/lse or the split partials."""
+    q_ptr, stride_qb, stride_qs, stride_qh = q
+    _meta_ptr, nsplit_ptr, _mainblk_ptr, _nblk_ptr = sched
+    out_ptr, stride_ob, stride_os, stride_oh = out
+    lse_ptr, stride_lb, stride_lh, stride_ls = lse
+    oacc_ptr, stride_ar, stride_as, stride_ah = o_acc
+    lacc_ptr, stride_lr, stride_lsq = lse_acc
+    k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
     NW: gl.constexpr = gl.num_warps()
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4], instr_shape=[16, 32, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4], instr_shape=[16, 256, 16])
@@ -209,15 +257,10 @@ def _consumer(
     OCOL: gl.constexpr = gl.SliceLayout(0, O_L)
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
 
-    part = gl.program_id(0)
     sq = gl.program_id(1)
     hb = gl.program_id(2)
-    mrow = meta_ptr + part * 8
-    begin_req = gl.load(mrow + 0)
-    end_req = gl.load(mrow + 1)
-    begin_block = gl.load(mrow + 2)
-    end_block = gl.load(mrow + 3)
-    begin_split = gl.load(mrow + 4)
+    prow = _partition_row(sched[0])
+    begin_req, end_req, begin_split = prow[0], prow[1], prow[4]
 
     # h_q not a multiple of 64: the last tile's rows past h_q are zero queries, never stored
     heads_s = hb * 64 + gl.arange(0, 64, layout=SROW)
@@ -234,9 +277,7 @@ def _consumer(
     it = 0
     req = begin_req
     while req <= end_req:
-        blk0 = gl.where(req == begin_req, begin_block, 0)
-        blk1 = gl.where(req == end_req, end_block, gl.load(nblk_ptr + req))
-        blk1 = gl.minimum(blk1, gl.load(mainblk_ptr + req))
+        blk0, blk1 = _request_blocks(sched, prow, req)
         split = gl.where(req == begin_req, begin_split, 0)
         split_base = gl.load(nsplit_ptr + req)
         n_splits = gl.load(nsplit_ptr + req + 1) - split_base
@@ -257,7 +298,7 @@ def _consumer(
             stage = it % 2
             phase = (it // 2) & 1
             mbarrier.wait(ready_bars.index(stage), phase)
-            if PROFILE_ == 1:
+            if PROFILE == 1:  # PROFILE_PRODUCER_ONLY
                 gl.thread_barrier()
                 mbarrier.arrive(empty_bars.index(stage), count=1)
             else:
@@ -299,8 +340,8 @@ def _consumer(
             optr = (out_ptr + req.to(gl.int64) * stride_ob + sq * stride_os
                     + gl.expand_dims(heads_o * stride_oh, 1) + gl.expand_dims(cols_o, 0))
             gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
-            lse = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
-            gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse, mask=hmask_s)
+            lse_v = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
+            gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse_v, mask=hmask_s)
         else:
             row = (split_base + split).to(gl.int64)
             o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, OROW), 1)
@@ -317,7 +358,7 @@ def _sparse_decode_gluon_kernel(
     q_ptr, stride_qb, stride_qs, stride_qh,
     kv_ptr, stride_blk, stride_tok, num_tokens, pbs,
     idx_ptr, stride_ib, stride_is, stride_it, topk,
-    tl_ptr, sink_ptr,
+    topk_len_ptr, sink_ptr,
     meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr,
     out_ptr, stride_ob, stride_os, stride_oh,
     lse_ptr, stride_lb, stride_lh, stride_ls,
@@ -325,9 +366,10 @@ def _sparse_decode_gluon_kernel(
     lacc_ptr, stride_lr, stride_lsq,
     scale_log2, h_q,
     HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr, PBS_POW2: gl.constexpr, PBS_LOG2: gl.constexpr,
-    PRODUCER_WARPS_: gl.constexpr, PRODUCER_REGS_: gl.constexpr,
-    PROFILE_: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROFILE: gl.constexpr,
 ):
+    """Grid ``(num_sm_parts, s_q, ceil(h_q / 64))``; flat arguments (``scripts/gluon_compile_check.py``
+    builds the signature from their names), grouped into tuples for the partitions."""
     SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # power-of-two shapes only: Q and K are kept as NoPE [.., 512] + RoPE [.., 64] tiles
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [64, D_NOPE], SW)
@@ -343,65 +385,52 @@ def _sparse_decode_gluon_kernel(
         mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=1)
 
+    sched = (meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr)
+    ring = (k_smem, kr_smem, mask_smem, ready_bars, empty_bars)
     gl.warp_specialize([
         (_consumer, (
-            q_ptr, stride_qb, stride_qs, stride_qh,
-            sink_ptr, meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr,
-            out_ptr, stride_ob, stride_os, stride_oh,
-            lse_ptr, stride_lb, stride_lh, stride_ls,
-            oacc_ptr, stride_ar, stride_as, stride_ah,
-            lacc_ptr, stride_lr, stride_lsq,
-            scale_log2, h_q,
-            q_smem, qr_smem, k_smem, kr_smem, p_smem, mask_smem, ready_bars, empty_bars,
-            HAS_SINK, PROFILE_,
+            (q_ptr, stride_qb, stride_qs, stride_qh), sink_ptr, sched,
+            (out_ptr, stride_ob, stride_os, stride_oh), (lse_ptr, stride_lb, stride_lh, stride_ls),
+            (oacc_ptr, stride_ar, stride_as, stride_ah), (lacc_ptr, stride_lr, stride_lsq),
+            scale_log2, h_q, q_smem, qr_smem, p_smem, ring, HAS_SINK, PROFILE,
         )),
         (_producer, (
-            kv_ptr, stride_blk, stride_tok, num_tokens, pbs,
-            idx_ptr, stride_ib, stride_is, stride_it, topk,
-            tl_ptr, meta_ptr, mainblk_ptr, nblk_ptr,
-            k_smem, kr_smem, mask_smem, ready_bars, empty_bars,
-            HAS_TOPK_LEN, PBS_POW2, PBS_LOG2, PROFILE_,
+            (kv_ptr, stride_blk, stride_tok, num_tokens, pbs),
+            (idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr), sched, ring,
+            HAS_TOPK_LEN, PBS_POW2, PBS_LOG2, PROFILE,
         )),
-    ], [PRODUCER_WARPS_], [PRODUCER_REGS_])
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------------------------- launcher
-def supported(p: DecodeProblem) -> bool:
-    """Whether this kernel handles ``p`` (V32 layout, no extra cache; any h_q, in 64-head tiles)."""
-    return p.layout.name == "V32" and p.extra_k_cache is None
+def launch(p: DecodeProblem, table: ScheduleTable, config: "HopperConfig | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the warp-specialised kernel, and the combine kernel when some batch is split.
 
+    Args:
+        p: a validated, non-empty problem the ``hopper`` backend serves (V32, no extra cache; the
+            dispatcher checks, :mod:`.backends`).
+        table: its schedule on ``p.q``'s device, sized for 64-head tiles.
+        config: launch parameters (default :class:`HopperConfig`).
 
-def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the warp-specialised Gluon kernel (and the combine kernel when a batch is split).
-
-    Same contract as :func:`sparse_mla.ops.sparse_decode.sparse_decode_fwd`.
-
-    Raises:
-        NotImplementedError: MODEL1 layout or extra cache.
+    Returns:
+        ``out [b, s_q, h_q, 512]`` bf16, ``lse [b, h_q, s_q]`` fp32.
     """
-    from .combine import combine_fwd, split_accumulators
-
-    if p.layout.name != "V32":
-        raise NotImplementedError("gluon sparse decode: only the V32 (d_qk = 576) layout is implemented")
-    if p.extra_k_cache is not None:
-        raise NotImplementedError("gluon sparse decode: extra_k_cache is not implemented in this prototype")
+    config = config or HopperConfig()
     q = p.q
     b, s_q, h_q, _ = q.shape
-    assert TOPK_BLOCK_SIZE == BLOCK_N
+    assert TOPK_BLOCK_SIZE == BLOCK_N and p.layout.name == "V32" and p.extra_k_cache is None
     dev = q.device
     out = torch.empty(b, s_q, h_q, p.d_v, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=dev)
     o_acc, l_acc = split_accumulators(b, s_q, h_q, p.d_v, table.num_sm_parts, table.any_split, dev)
-    kc = p.k_cache
-    raw = kc if kc.dtype == torch.uint8 else kc.view(torch.uint8)
+    raw = cache_bytes(p.k_cache)
     pbs = raw.shape[1]
     pow2 = pbs & (pbs - 1) == 0
-    num_tokens = raw.shape[0] * pbs
     dummy_i32 = table.num_splits
     grid = (table.num_sm_parts, s_q, -(-h_q // BLOCK_H))
     _sparse_decode_gluon_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
-        raw, raw.stride(0), raw.stride(1), num_tokens, pbs,
+        raw, raw.stride(0), raw.stride(1), raw.shape[0] * pbs, pbs,
         p.indices, *p.indices.stride(), p.indices.shape[2],
         p.topk_length if p.topk_length is not None else dummy_i32,
         p.attn_sink if p.attn_sink is not None else l_acc,
@@ -413,9 +442,8 @@ def sparse_decode_fwd(p: DecodeProblem, table: ScheduleTable) -> tuple[torch.Ten
         p.sm_scale * LOG2E, h_q,
         HAS_TOPK_LEN=p.topk_length is not None, HAS_SINK=p.attn_sink is not None,
         PBS_POW2=pow2, PBS_LOG2=pbs.bit_length() - 1 if pow2 else 0,
-        PRODUCER_WARPS_=PRODUCER_WARPS, PRODUCER_REGS_=PRODUCER_REGS,
-        PROFILE_=PROFILE,
-        num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
+        PRODUCER_WARPS=config.producer_warps, PRODUCER_REGS=config.producer_regs, PROFILE=config.profile,
+        num_warps=CONSUMER_WARPS, maxnreg=config.maxnreg,
     )
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.num_splits, out, lse, p.attn_sink)

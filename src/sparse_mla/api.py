@@ -1,0 +1,121 @@
+"""FlashMLA-compatible entry points (stage 1 of the decode path; steps 1-2 in docs/design.md).
+
+``import sparse_mla as flash_mla`` works for callers of FlashMLA 1.0's sparse FP8 decode::
+
+    sched_meta, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(
+        q, k_cache, None, None, head_dim_v=512, tile_scheduler_metadata=sched_meta,
+        is_fp8_kvcache=True, indices=indices)
+
+The call flows API → :mod:`~sparse_mla.problem` (validated, frozen) → :mod:`~sparse_mla.plan`
+(backend + schedule, kept in ``sched_meta``) → :mod:`~sparse_mla.decode` (kernel launch,
+combine) → ``(out, lse)``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .decode.backends import run_decode
+from .plan import FlashMLASchedMeta, ensure_plan, get_mla_metadata
+from .problem import empty_outputs, is_empty, validate_sparse_decode
+
+__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache"]
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    cache_seqlens: Optional[torch.Tensor],
+    head_dim_v: int,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    num_splits: None = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+    extra_k_cache: Optional[torch.Tensor] = None,
+    extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    extra_topk_length: Optional[torch.Tensor] = None,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode over an FP8 paged latent KV cache (FlashMLA 1.0's signature and semantics).
+
+    The sparse path (``indices`` given) is implemented; the dense path is planned.
+
+    Args:
+        q: ``[b, s_q, h_q, d_qk]`` bf16 queries; ``d_qk`` 576 (V3.2 layout) or 512 (MODEL1
+            layout); ``h_q <= 128``; last dim contiguous, other strides free.
+        k_cache: ``[num_blocks, page_block_size, 1, bytes_per_token]`` ``float8_e4m3fn`` or
+            ``uint8`` bytes; 656 B/token (V32) or 584 (MODEL1; any block stride of at least
+            ``page_block_size * 584`` bytes). May be a strided view of a larger pool (its
+            block stride is honoured).
+        block_table: ``[b, max_blocks]`` int32 — dense path only; ignored when ``indices`` is given.
+        cache_seqlens: ``[b]`` int32 — dense path only; ignored when ``indices`` is given.
+        head_dim_v: 512.
+        tile_scheduler_metadata: the object from :func:`get_mla_metadata`; filled by the first
+            call, reused while the configuration and the ``topk_length`` values stay the same.
+        num_splits: must be None (FlashMLA 1.0 keeps it in ``tile_scheduler_metadata``).
+        softmax_scale: default ``d_qk ** -0.5``.
+        causal: must be False on the sparse path.
+        is_fp8_kvcache: must be True on the sparse path.
+        indices: ``[b, s_q, topk]`` int32, ``block * page_block_size + offset`` into ``k_cache``;
+            ``-1`` or any value outside ``[0, num_blocks * page_block_size)`` is ignored.
+        attn_sink: ``[h_q]`` fp32: out scaled by ``exp(lse) / (exp(lse) + exp(sink))``.
+        extra_k_cache: second cache (same format) attended in the same softmax.
+        extra_indices_in_kvcache: ``[b, s_q, extra_topk]`` int32 into ``extra_k_cache``.
+        topk_length: ``[b]`` int32: only the first ``topk_length[i]`` indices of batch i count.
+        extra_topk_length: ``[b]`` int32, the same for the extra cache.
+        backend: ``"auto"`` (the fastest that serves the call), ``"hopper"``, ``"portable"`` or
+            ``"reference"`` (keyword only; not in FlashMLA). Fixed by the first call of a
+            scheduler object; ``tile_scheduler_metadata.backend`` tells which one runs.
+
+    Returns:
+        ``out [b, s_q, h_q, 512]`` bf16 and ``lse [b, h_q, s_q]`` fp32 (natural log; +inf and
+        out = 0 for a query with no valid key). ``b = 0`` or ``s_q = 0`` gives empty tensors of
+        these shapes and launches nothing (the scheduler object stays as it was).
+
+    Non-finite inputs: a valid key whose score ``q·k`` is NaN or ``+inf`` (inf/NaN in ``q``)
+    makes that query head's ``out`` and ``lse`` NaN; a score of ``-inf`` gives its key weight 0.
+    A NaN ``attn_sink[h]`` makes head h's ``out`` NaN (lse unchanged); the lonely-query rule
+    (out 0, lse +inf) holds whatever the sink.
+
+    Under ``torch.compile`` the call goes through the custom op ``torch.ops.sparse_mla.sparse_decode``
+    (no graph break); fill the scheduler object with one eager call first (its first call reads
+    ``topk_length`` on the host).
+
+    Raises:
+        TypeError / ValueError: an argument of the wrong type, dtype, shape or device, or a
+            ``backend`` that cannot serve the call (the message says why).
+        NotImplementedError: the dense path (``indices`` is None).
+    """
+    if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
+        raise TypeError(
+            "tile_scheduler_metadata: expected the FlashMLASchedMeta from get_mla_metadata(), "
+            f"got {type(tile_scheduler_metadata).__name__}"
+        )
+    if num_splits is not None:
+        raise ValueError("num_splits: must be None (the splits live in tile_scheduler_metadata)")
+    if indices is None:
+        raise NotImplementedError(
+            "dense decode (indices=None) is planned but not implemented yet; pass indices for the sparse path"
+        )
+    p = validate_sparse_decode(
+        q=q, k_cache=k_cache, indices=indices, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
+        is_fp8_kvcache=is_fp8_kvcache, causal=causal, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
+        extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
+        extra_topk_length=extra_topk_length,
+    )
+    if is_empty(p):
+        return empty_outputs(p)
+    plan = ensure_plan(tile_scheduler_metadata, p, backend)
+    if torch.compiler.is_compiling():
+        from .serving.ops import call_sparse_decode_op
+
+        return call_sparse_decode_op(p, plan)
+    return run_decode(p, plan.backend, plan.table)

@@ -1,0 +1,186 @@
+"""The decode dispatcher: which implementation serves a :class:`~sparse_mla.problem.DecodeProblem`.
+
+Each backend says whether it can serve a problem and, if not, why (:meth:`Backend.unsupported`),
+how many query heads one of its programs serves (the scheduler sizes the partitions from it:
+:meth:`Backend.heads_per_cta`), and launches its kernels (:meth:`Backend.launch`):
+
+=============  ==========================================================================
+``hopper``     warp-specialised Gluon kernel (:mod:`.hopper`): sm_90 GPUs, V32 cache,
+               no extra cache, compiled (not interpreted)
+``portable``   Triton ``tl`` kernel (:mod:`.portable`): any GPU Triton supports, and the CPU
+               under Triton's interpreter (``TRITON_INTERPRET=1``); every feature
+``reference``  fp32 PyTorch twin replaying the schedule (:mod:`.reference`): anywhere
+=============  ==========================================================================
+
+``backend="auto"`` takes the first of those that serves the problem. The environment variable
+``SPARSE_MLA_BACKEND`` (read in :mod:`sparse_mla.runtime`) replaces ``"auto"`` for debugging.
+Kernel modules are imported on first launch, so ``import sparse_mla`` imports no Triton.
+
+To add a backend: write its kernel module with a ``launch(p, table, config) -> (out, lse)``,
+subclass :class:`Backend` here, and put it in :data:`BACKENDS` (and :data:`AUTO_ORDER` if
+"auto" may pick it); the tests in ``tests/test_backends.py`` then run it where it applies.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..problem import DecodeProblem, empty_outputs, is_empty
+from ..runtime import backend_override, interpreting, use_triton
+from ..scheduler import ScheduleTable
+
+__all__ = ["Backend", "BACKENDS", "AUTO_ORDER", "resolve_backend", "backend_support", "get_backend", "run_decode"]
+
+
+class Backend:
+    """One implementation of the split-KV sparse decode (and its combine)."""
+
+    name: str = ""
+
+    def unsupported(self, p: DecodeProblem) -> Optional[str]:
+        """None when this backend serves ``p``, else why not, as a phrase that follows "it"
+        ("needs an sm_90 (Hopper) GPU, ...")."""
+        raise NotImplementedError
+
+    def heads_per_cta(self, h_q: int) -> int:
+        """Query heads one program serves (the schedule has ``ceil(h_q / this)`` programs per
+        partition and query token)."""
+        raise NotImplementedError
+
+    def launch(self, p: DecodeProblem, table: ScheduleTable, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the decode (and the combine when some batch is split): ``(out bf16, lse fp32)``.
+
+        ``config``: the backend's tuning dataclass (None = the measured defaults)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<sparse_mla decode backend {self.name!r}>"
+
+
+def small_head_tile(h_q: int) -> int:
+    """Heads per program of the portable kernel (and the reference that mirrors its schedule):
+    16 when that is all there is, else 64 (FlashMLA's tile; on the H200 a 32-head tile ran
+    slower than a 64-head one, docs/perf-log.md)."""
+    return 16 if h_q <= 16 else 64
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def unsupported(self, p: DecodeProblem) -> Optional[str]:
+        return None
+
+    def heads_per_cta(self, h_q: int) -> int:
+        return small_head_tile(h_q)
+
+    def launch(self, p: DecodeProblem, table: ScheduleTable, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        from .reference import sparse_decode_split_reference
+
+        out, lse = sparse_decode_split_reference(
+            p.q, p.k_cache, p.indices, table, p.sm_scale, p.d_v, p.topk_length, p.attn_sink,
+            p.extra_k_cache, p.extra_indices, p.extra_topk_length,
+        )
+        return out.to(torch.bfloat16), lse
+
+
+class PortableBackend(Backend):
+    name = "portable"
+
+    def unsupported(self, p: DecodeProblem) -> Optional[str]:
+        if not use_triton(p.q.device):
+            return "runs CPU tensors only under Triton's interpreter (set TRITON_INTERPRET=1 before Python starts)"
+        return None
+
+    def heads_per_cta(self, h_q: int) -> int:
+        return small_head_tile(h_q)
+
+    def launch(self, p: DecodeProblem, table: ScheduleTable, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        from .portable import launch
+
+        return launch(p, table, config)
+
+
+class HopperBackend(Backend):
+    name = "hopper"
+
+    def unsupported(self, p: DecodeProblem) -> Optional[str]:
+        dev = p.q.device
+        if dev.type != "cuda" or interpreting():
+            return "needs a CUDA device and compiled kernels (not TRITON_INTERPRET=1)"
+        major, minor = torch.cuda.get_device_capability(dev)
+        if major != 9:
+            return f"needs an sm_90 (Hopper) GPU, this one is sm_{major}{minor}"
+        if p.layout.name != "V32":
+            return f"serves the V32 cache (d_qk 576), not {p.layout.name}"
+        if p.extra_k_cache is not None:
+            return "does not serve an extra cache (extra_k_cache)"
+        return None
+
+    def heads_per_cta(self, h_q: int) -> int:
+        return 64  # one wgmma M tile; rows past h_q are zero queries, never stored
+
+    def launch(self, p: DecodeProblem, table: ScheduleTable, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        from .hopper import launch
+
+        return launch(p, table, config)
+
+
+#: every backend by name
+BACKENDS: dict[str, Backend] = {b.name: b for b in (HopperBackend(), PortableBackend(), ReferenceBackend())}
+#: the order in which ``backend="auto"`` tries them (fastest first)
+AUTO_ORDER = ("hopper", "portable", "reference")
+_ALIASES = {"gluon": "hopper", "tl": "portable", "triton": "portable"}  # earlier SPARSE_MLA_BACKEND values
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name`` (``"hopper"``, ``"portable"``, ``"reference"``).
+
+    Raises:
+        TypeError / ValueError: not a string, or no such backend.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"backend: expected a str, got {type(name).__name__}")
+    key = _ALIASES.get(name, name)
+    if key not in BACKENDS:
+        raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
+    return BACKENDS[key]
+
+
+def backend_support(p: DecodeProblem) -> dict[str, Optional[str]]:
+    """For each backend: None if it serves ``p``, else why not."""
+    return {name: BACKENDS[name].unsupported(p) for name in AUTO_ORDER}
+
+
+def resolve_backend(p: DecodeProblem, backend: str = "auto") -> Backend:
+    """The backend that will run ``p``: the requested one, or for ``"auto"`` the first of
+    :data:`AUTO_ORDER` that serves it (``SPARSE_MLA_BACKEND``, if set, replaces ``"auto"``).
+
+    Raises:
+        TypeError / ValueError: unknown name, or the requested backend cannot serve ``p`` (the
+            message says why).
+    """
+    source = "backend"
+    if backend == "auto" and backend_override() is not None:
+        backend, source = backend_override(), "SPARSE_MLA_BACKEND"
+    if backend == "auto":
+        for name in AUTO_ORDER:
+            if BACKENDS[name].unsupported(p) is None:
+                return BACKENDS[name]
+        raise AssertionError("the reference backend serves every problem")  # pragma: no cover
+    try:
+        b = get_backend(backend)
+    except ValueError:
+        raise ValueError(f"{source}: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}") from None
+    reason = b.unsupported(p)
+    if reason is not None:
+        raise ValueError(f"{source}: the {b.name!r} backend cannot serve this call: it {reason}")
+    return b
+
+
+def run_decode(p: DecodeProblem, backend: Backend, table: ScheduleTable, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch ``backend`` on a validated problem with its schedule; an empty step (``b = 0`` or
+    ``s_q = 0``) launches nothing and gets empty outputs. Returns ``(out bf16, lse fp32)``."""
+    if is_empty(p):
+        return empty_outputs(p)
+    return backend.launch(p, table, config)

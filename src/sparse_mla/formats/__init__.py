@@ -1,0 +1,29 @@
+"""Cache formats: the FP8 layouts (V32, MODEL1) and their quantisation (pure PyTorch)."""
+from .layouts import (
+    MODEL1,
+    V32,
+    KVCacheLayout,
+    LayoutLike,
+    cache_bytes,
+    check_quantized_cache,
+    get_layout,
+    layout_of_cache,
+    num_cache_tokens,
+)
+from .quant import dequantize_k_cache, gather_dequant_tokens, quantize_k_cache, ue8m0_scale
+
+__all__ = [
+    "KVCacheLayout",
+    "V32",
+    "MODEL1",
+    "LayoutLike",
+    "get_layout",
+    "layout_of_cache",
+    "cache_bytes",
+    "check_quantized_cache",
+    "num_cache_tokens",
+    "quantize_k_cache",
+    "dequantize_k_cache",
+    "gather_dequant_tokens",
+    "ue8m0_scale",
+]

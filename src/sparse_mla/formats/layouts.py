@@ -1,0 +1,212 @@
+"""FP8 paged KV-cache layouts of DeepSeek Sparse Attention (step 4 in docs/design.md).
+
+Two layouts, both "latent" MLA caches with a single KV head (``h_kv = 1``):
+
+* **V32** (``d_qk = 576``, DeepSeek-V3.2): every token owns 656 contiguous bytes::
+
+      bytes   0..511  512 x float8_e4m3 NoPE values (4 tiles of 128)
+      bytes 512..527  4 x float32 dequantisation scales, one per tile (powers of two)
+      bytes 528..655  64 x bfloat16 RoPE values (not quantised)
+
+* **MODEL1** (``d_qk = 512``): 448 NoPE values in 7 tiles of 64, 64 bf16 RoPE values and
+  7 float8_e8m0 scales (+1 pad byte), 584 bytes per token. Inside one page block all tokens'
+  ``[nope | rope]`` records (576 B each) come first, then all tokens' 8 scale bytes.
+  :func:`quantize_k_cache` pads each block to a multiple of 576 bytes as FlashMLA does, so the
+  cache tensor is a strided view ``[num_blocks, page_block_size, 1, 584]`` whose block stride is
+  the padded block size; the kernels accept any block stride of at least
+  ``page_block_size * 584`` bytes (a dense copy of the view, too).
+
+Scales are UE8M0 (powers of two): ``scale = 2^ceil(log2(max(amax / 448, 1e-4)))`` and the stored
+value is ``x / scale`` rounded to e4m3, so dequantisation (``fp8 * scale``) is exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+__all__ = [
+    "KVCacheLayout",
+    "V32",
+    "MODEL1",
+    "LayoutLike",
+    "get_layout",
+    "layout_of_cache",
+    "cache_bytes",
+    "check_quantized_cache",
+    "num_cache_tokens",
+]
+
+FP8_E4M3_MAX = 448.0
+SCALE_AMAX_FLOOR = 1e-4
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Constants of one FP8 cache layout, all derived from ``d_qk``.
+
+    Attributes:
+        name: ``"V32"`` or ``"MODEL1"``.
+        d_qk: head dimension of q and k (576 or 512).
+        d_v: head dimension of v (always 512; v is the first ``d_v`` dims of k).
+        d_rope: RoPE dims kept in bf16 (64).
+        d_nope: FP8-quantised dims, ``d_qk - d_rope``.
+        tile: values per scale (128 for V32, 64 for MODEL1).
+        scale_bytes: bytes of one scale (4 = float32 for V32, 1 = e8m0 for MODEL1).
+        bytes_per_token: last dimension of the cache tensor (656 or 584).
+    """
+
+    name: str
+    d_qk: int
+    d_v: int
+    d_rope: int
+    tile: int
+    scale_bytes: int
+
+    @property
+    def d_nope(self) -> int:
+        return self.d_qk - self.d_rope
+
+    @property
+    def num_tiles(self) -> int:
+        return self.d_nope // self.tile
+
+    @property
+    def scale_section_bytes(self) -> int:
+        """Bytes of a token's scale record (V32: 16; MODEL1: 7 scales + 1 pad = 8)."""
+        n = self.num_tiles * self.scale_bytes
+        return n if self.name == "V32" else n + 1
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of a token's ``[nope fp8 | rope bf16]`` part (576 for both layouts)."""
+        return self.d_nope + 2 * self.d_rope
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.d_nope + self.scale_section_bytes + 2 * self.d_rope
+
+    # byte offsets inside a V32 token record
+    @property
+    def scale_offset(self) -> int:
+        """V32: offset of the scales in a token record; MODEL1: offset of a block's scale section
+        per token is computed by :meth:`block_bytes` users (``page_block_size * 576``)."""
+        return self.d_nope
+
+    @property
+    def rope_offset(self) -> int:
+        return self.d_nope + self.scale_section_bytes if self.name == "V32" else self.d_nope
+
+    def block_bytes(self, page_block_size: int) -> int:
+        """Smallest legal byte stride between page blocks."""
+        raw = page_block_size * self.bytes_per_token
+        if self.name == "V32":
+            return raw
+        return -(-raw // self.data_bytes) * self.data_bytes
+
+
+V32 = KVCacheLayout(name="V32", d_qk=576, d_v=512, d_rope=64, tile=128, scale_bytes=4)
+MODEL1 = KVCacheLayout(name="MODEL1", d_qk=512, d_v=512, d_rope=64, tile=64, scale_bytes=1)
+_LAYOUTS = {"V32": V32, "MODEL1": MODEL1}
+
+LayoutLike = Union[str, KVCacheLayout, int]
+
+
+def get_layout(layout: LayoutLike) -> KVCacheLayout:
+    """Resolve ``"V32"``/``"MODEL1"``, a :class:`KVCacheLayout`, or a ``d_qk`` (576/512).
+
+    Raises:
+        ValueError: unknown name or ``d_qk``.
+        TypeError: anything else.
+    """
+    if isinstance(layout, KVCacheLayout):
+        return layout
+    if isinstance(layout, bool):
+        raise TypeError(f"layout: expected 'V32', 'MODEL1', a KVCacheLayout or d_qk, got {layout!r}")
+    if isinstance(layout, int):
+        for lay in _LAYOUTS.values():
+            if lay.d_qk == layout:
+                return lay
+        raise ValueError(f"layout: d_qk must be 576 (V32) or 512 (MODEL1), got {layout}")
+    if isinstance(layout, str):
+        key = layout.upper()
+        if key in ("V3.2", "V3_2"):
+            key = "V32"
+        if key not in _LAYOUTS:
+            raise ValueError(f"layout: expected 'V32' or 'MODEL1', got {layout!r}")
+        return _LAYOUTS[key]
+    raise TypeError(f"layout: expected 'V32', 'MODEL1', a KVCacheLayout or d_qk, got {type(layout).__name__}")
+
+
+def layout_of_cache(k_cache: torch.Tensor) -> KVCacheLayout:
+    """The layout told by a cache's last dimension: 656 bytes/token -> V32, 584 -> MODEL1.
+
+    Raises:
+        TypeError: ``k_cache`` is not a tensor.
+        ValueError: its shape is not ``[num_blocks, page_block_size, 1, 656 | 584]``.
+    """
+    if not isinstance(k_cache, torch.Tensor):
+        raise TypeError(f"k_cache: expected a torch.Tensor, got {type(k_cache).__name__}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache: expected shape [num_blocks, page_block_size, 1, bytes_per_token], got {list(k_cache.shape)}")
+    bpt = int(k_cache.shape[-1])
+    for lay in _LAYOUTS.values():
+        if lay.bytes_per_token == bpt:
+            return lay
+    raise ValueError(f"k_cache: bytes_per_token (last dim) must be 656 (V32) or 584 (MODEL1), got {bpt}")
+
+
+def cache_bytes(k_cache: torch.Tensor) -> torch.Tensor:
+    """The cache as raw bytes (uint8 view with the same shape and strides)."""
+    return k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
+
+
+def check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_cache") -> None:
+    """Dtype, shape and stride checks of an FP8 cache tensor (raise ``TypeError``/``ValueError`` naming it).
+
+    A MODEL1 block needs ``page_block_size * 584`` bytes; the block stride may be anything at
+    least that (FlashMLA pads blocks to a multiple of 576 B because its kernels need it; ours follow
+    ``stride(0)``, so a dense copy of a padded view, as ``Tensor.to``, ``.clone()`` or
+    functionalization make, is accepted too).
+    """
+    if not isinstance(kq, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(kq).__name__}")
+    if kq.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"{name}: expected dtype torch.float8_e4m3fn or torch.uint8 (raw bytes), got {kq.dtype}")
+    if kq.dim() != 4 or kq.shape[2] != 1 or kq.shape[3] != lay.bytes_per_token:
+        raise ValueError(
+            f"{name}: expected shape [num_blocks, page_block_size, 1, {lay.bytes_per_token}] "
+            f"({lay.name} layout, d_qk={lay.d_qk}), got {list(kq.shape)}"
+        )
+    pbs = kq.shape[1]
+    if kq.stride(3) != 1:
+        raise ValueError(f"{name}: the byte dimension must be contiguous (stride(3) == 1), got {kq.stride(3)}")
+    if lay.name == "V32":
+        if kq.stride(1) < lay.bytes_per_token and pbs > 1:
+            raise ValueError(f"{name}: token stride {kq.stride(1)} < {lay.bytes_per_token} bytes")
+        need = (pbs - 1) * kq.stride(1) + lay.bytes_per_token
+    else:
+        if kq.stride(1) != lay.bytes_per_token and pbs > 1:
+            raise ValueError(
+                f"{name}: MODEL1 blocks must be packed (token stride {lay.bytes_per_token}), got {kq.stride(1)}"
+            )
+        need = pbs * lay.bytes_per_token
+    if kq.shape[0] > 1 and kq.stride(0) < need:
+        raise ValueError(f"{name}: block stride {kq.stride(0)} bytes < the {need} bytes one {lay.name} block needs")
+    # the bytes the last block's tokens use must lie inside the storage (for MODEL1 they end with
+    # the last token's scale record: padding after it is never accessed)
+    if kq.shape[0] > 0:
+        end = kq.storage_offset() + (kq.shape[0] - 1) * kq.stride(0) + need
+        if end > kq.untyped_storage().nbytes():
+            raise ValueError(
+                f"{name}: the {lay.name} layout needs {need} bytes per block but the storage ends "
+                f"{end - kq.untyped_storage().nbytes()} bytes early"
+            )
+
+
+def num_cache_tokens(k_cache: torch.Tensor) -> int:
+    """Number of addressable token slots (``num_blocks * page_block_size``)."""
+    return int(k_cache.shape[0]) * int(k_cache.shape[1])
+
+

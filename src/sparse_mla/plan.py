@@ -1,0 +1,182 @@
+"""The plan of a decode step: which backend runs it, and the tile schedule sized for that backend
+(stage 3 of the decode path; step 3 in docs/design.md).
+
+:class:`FlashMLASchedMeta` (FlashMLA 1.0's scheduler object) holds the plan. It is filled on the
+first call of a decode step, which reads ``topk_length`` on the host once, and reused by later
+calls with the same :class:`ScheduleConfig`; those calls do no host synchronisation (CUDA-graph
+safe).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+
+from .decode.backends import Backend, resolve_backend
+from .problem import DecodeProblem
+from .scheduler import ScheduleTable, batch_num_blocks, compute_num_sm_parts, schedule
+
+__all__ = [
+    "FlashMLASchedMeta",
+    "ScheduleConfig",
+    "DecodePlan",
+    "get_mla_metadata",
+    "plan_decode",
+    "ensure_plan",
+    "DEFAULT_CPU_NUM_SMS",
+    "MAX_NUM_SMS",
+]
+
+#: SM count assumed for CPU tensors (an H800/H100's 132, so CPU runs schedule like them).
+DEFAULT_CPU_NUM_SMS = 132
+#: Largest ``num_sms`` accepted (partitions get accumulators of ``b + num_sm_parts`` rows).
+MAX_NUM_SMS = 1024
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """What a schedule was made for; a call with a different one needs a new scheduler object."""
+
+    b: int
+    s_q: int
+    h_q: int
+    d_qk: int
+    topk: int
+    has_topk_length: bool
+    extra_topk: int
+    has_extra_topk_length: bool
+    num_sms: int
+    device: str
+    backend: str  # as requested ("auto" or a name)
+
+    def differences(self, other: "ScheduleConfig") -> str:
+        return ", ".join(
+            f"{f.name} {getattr(self, f.name)!r} -> {getattr(other, f.name)!r}"
+            for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)
+        )
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The backend that runs a decode step and the schedule sized for its tile."""
+
+    backend: Backend
+    table: ScheduleTable
+
+
+@dataclass
+class FlashMLASchedMeta:
+    """Tile-scheduler state shared by the calls of one decode step (FlashMLA's ``FlashMLASchedMeta``).
+
+    Empty until the first :func:`sparse_mla.flash_mla_with_kvcache` call fills it; later calls
+    must have the same :class:`ScheduleConfig`, else ``ValueError``. ``topk_length`` *values* are
+    read only on the first call: a caller whose lengths change must ask :func:`get_mla_metadata`
+    for a new object (as with FlashMLA).
+
+    Attributes:
+        num_sms: SM count to schedule for (None: the device's).
+        have_initialized: whether the plan is filled.
+        config: the :class:`ScheduleConfig` the plan was made for.
+        plan: the :class:`DecodePlan` (backend + schedule on the device).
+    """
+
+    num_sms: Optional[int] = None
+    have_initialized: bool = False
+    config: Optional[ScheduleConfig] = None
+    plan: Optional[DecodePlan] = None
+
+    @property
+    def table(self) -> Optional[ScheduleTable]:
+        """The :class:`~sparse_mla.scheduler.ScheduleTable` on the device, or None before use."""
+        return None if self.plan is None else self.plan.table
+
+    @property
+    def backend(self) -> Optional[str]:
+        """Name of the backend that runs this step (``"hopper"``, ``"portable"``, ``"reference"``)."""
+        return None if self.plan is None else self.plan.backend.name
+
+    @property
+    def tile_scheduler_metadata(self) -> Optional[torch.Tensor]:
+        """``[num_sm_parts, 8]`` int32 (see :mod:`sparse_mla.scheduler`), or None before use."""
+        return None if self.table is None else self.table.metadata
+
+    @property
+    def num_splits(self) -> Optional[torch.Tensor]:
+        """``[b + 1]`` int32 prefix sums of splits per batch, or None before use."""
+        return None if self.table is None else self.table.num_splits
+
+
+def get_mla_metadata(*args: Any, num_sms: Optional[int] = None, **kwargs: Any) -> tuple[FlashMLASchedMeta, None]:
+    """Return an empty scheduler object, filled on first use: ``(sched_meta, None)``.
+
+    Positional and other keyword arguments are accepted and ignored, as in FlashMLA 1.0.
+
+    Args:
+        num_sms: schedule for this many SMs (1..1024) instead of the device's (tests, what-if studies).
+
+    Raises:
+        ValueError: ``num_sms`` is not an int in [1, 1024].
+    """
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 0 < num_sms <= MAX_NUM_SMS):
+        raise ValueError(f"num_sms: expected an int in [1, {MAX_NUM_SMS}] or None, got {num_sms!r}")
+    return FlashMLASchedMeta(num_sms=num_sms), None
+
+
+def _device_num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_CPU_NUM_SMS
+
+
+def _config_of(p: DecodeProblem, num_sms: int, backend: str) -> ScheduleConfig:
+    b, s_q, h_q, d_qk = p.shape
+    return ScheduleConfig(
+        b=b, s_q=s_q, h_q=h_q, d_qk=d_qk, topk=p.topk, has_topk_length=p.topk_length is not None,
+        extra_topk=p.extra_topk, has_extra_topk_length=p.extra_topk_length is not None,
+        num_sms=num_sms, device=str(p.q.device), backend=backend,
+    )
+
+
+def plan_decode(p: DecodeProblem, num_sms: Optional[int] = None, backend: str = "auto") -> DecodePlan:
+    """Choose the backend for ``p`` and make its schedule (reads ``topk_length`` on the host once).
+
+    Args:
+        p: a validated problem (not empty).
+        num_sms: SMs to schedule for (default: the device's; 132 for CPU tensors).
+        backend: ``"auto"`` or a backend name (:mod:`sparse_mla.decode.backends`).
+    """
+    chosen = resolve_backend(p, backend)
+    b, s_q, h_q, _ = p.shape
+    num_sms = num_sms or _device_num_sms(p.q.device)
+    tl_host = None if p.topk_length is None else p.topk_length.tolist()
+    etl_host = None if p.extra_topk_length is None else p.extra_topk_length.tolist()
+    main, total = batch_num_blocks(b, p.topk, tl_host, p.extra_topk, etl_host)
+    parts = compute_num_sm_parts(num_sms, s_q, h_q, chosen.heads_per_cta(h_q))
+    return DecodePlan(chosen, schedule(total, parts, main_blocks=main).to(p.q.device))
+
+
+def ensure_plan(meta: FlashMLASchedMeta, p: DecodeProblem, backend: str = "auto") -> DecodePlan:
+    """Fill ``meta`` on its first use; afterwards check that ``p`` has the configuration it was
+    filled for and return its plan (no host synchronisation).
+
+    Raises:
+        TypeError: ``meta`` is not a :class:`FlashMLASchedMeta`.
+        ValueError: a different configuration than the one ``meta`` was filled for.
+    """
+    if not isinstance(meta, FlashMLASchedMeta):
+        raise TypeError(
+            f"tile_scheduler_metadata: expected the FlashMLASchedMeta from get_mla_metadata(), got {type(meta).__name__}"
+        )
+    num_sms = meta.num_sms or _device_num_sms(p.q.device)
+    cfg = _config_of(p, num_sms, backend)
+    if meta.have_initialized:
+        if meta.config != cfg:
+            raise ValueError(
+                f"tile_scheduler_metadata: this object was filled for another configuration ({meta.config.differences(cfg)}); "
+                "call get_mla_metadata() again for a new one"
+            )
+        return meta.plan
+    meta.plan = plan_decode(p, num_sms, backend)
+    meta.config, meta.have_initialized = cfg, True
+    return meta.plan

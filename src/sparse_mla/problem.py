@@ -1,0 +1,211 @@
+"""The validated description of a sparse decode call (stage 2 of the decode path; docs/design.md).
+
+:func:`validate_sparse_decode` checks every argument before anything runs and returns a frozen
+:class:`DecodeProblem`; a bad argument raises ``TypeError``/``ValueError`` naming it. Nothing
+here knows about schedules, backends or kernels.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .formats import KVCacheLayout, check_quantized_cache, get_layout
+
+__all__ = ["DecodeProblem", "validate_sparse_decode", "check_tensor", "is_empty", "empty_outputs", "MAX_H_Q"]
+
+#: One KV head serves at most this many query heads.
+MAX_H_Q = 128
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """A validated sparse decode call: what the backends and the reference need.
+
+    Attributes:
+        q: ``[b, s_q, h_q, d_qk]`` bf16 (last dim contiguous).
+        k_cache: ``[num_blocks, page_block_size, 1, bytes_per_token]`` fp8/uint8 cache.
+        indices: ``[b, s_q, topk]`` int32 cache slots.
+        layout: the cache layout (V32 for d_qk 576, MODEL1 for 512).
+        sm_scale: softmax scale (natural units).
+        d_v: value head dim (512).
+        topk_length: ``[b]`` int32, contiguous, or None.
+        attn_sink: ``[h_q]`` fp32, contiguous, or None.
+        extra_k_cache: second cache of the same layout, or None.
+        extra_indices: ``[b, s_q, extra_topk]`` int32 into ``extra_k_cache``, or None.
+        extra_topk_length: ``[b]`` int32, contiguous, or None.
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    indices: torch.Tensor
+    layout: KVCacheLayout
+    sm_scale: float
+    d_v: int
+    topk_length: Optional[torch.Tensor] = None
+    attn_sink: Optional[torch.Tensor] = None
+    extra_k_cache: Optional[torch.Tensor] = None
+    extra_indices: Optional[torch.Tensor] = None
+    extra_topk_length: Optional[torch.Tensor] = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(b, s_q, h_q, d_qk)``."""
+        b, s_q, h_q, d_qk = self.q.shape
+        return b, s_q, h_q, d_qk
+
+    @property
+    def topk(self) -> int:
+        return self.indices.shape[2]
+
+    @property
+    def extra_topk(self) -> int:
+        """Indices per query into the extra cache (0 without one)."""
+        return 0 if self.extra_indices is None else self.extra_indices.shape[2]
+
+
+def check_tensor(x: Any, name: str, dtypes: tuple, dim: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """``x`` is a tensor of one of ``dtypes`` with ``dim`` dimensions (on ``device``), else
+    ``TypeError``/``ValueError`` naming ``name``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
+    if x.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {list(x.shape)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (where q is), got {x.device}")
+    return x
+
+
+def _check_q(q: Any) -> KVCacheLayout:
+    check_tensor(q, "q", (torch.bfloat16,), 4)
+    _, _, h_q, d_qk = q.shape
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q: expected a CPU or CUDA tensor (others follow q's device), got one on {q.device}")
+    if d_qk not in (576, 512):
+        raise ValueError(f"q: head dim d_qk must be 576 (V3.2 layout) or 512 (MODEL1 layout), got {d_qk}")
+    if h_q < 1:
+        raise ValueError(f"q: h_q must be >= 1, got shape {list(q.shape)}")
+    if h_q > MAX_H_Q:
+        raise ValueError(f"q: h_q must be <= {MAX_H_Q} (one KV head serves at most {MAX_H_Q} query heads), got {h_q}")
+    if q.stride(-1) != 1:
+        raise ValueError("q: the last dimension must be contiguous (stride 1)")
+    return get_layout(d_qk)
+
+
+def _check_flags(lay: KVCacheLayout, head_dim_v: Any, is_fp8_kvcache: Any, causal: Any) -> None:
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral) or head_dim_v != lay.d_v:
+        raise ValueError(f"head_dim_v: expected {lay.d_v}, got {head_dim_v!r}")
+    if not is_fp8_kvcache:
+        raise ValueError("is_fp8_kvcache: the sparse decode (indices given) needs an FP8 cache; pass is_fp8_kvcache=True")
+    if causal:
+        raise ValueError("causal: must be False for the sparse decode (the top-k indices already select the keys)")
+
+
+def _sm_scale(softmax_scale: Any, d_qk: int) -> float:
+    if softmax_scale is None:
+        return d_qk**-0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
+    sm_scale = float(softmax_scale)
+    if not (0 < sm_scale < float("inf")):
+        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale!r}")
+    return sm_scale
+
+
+def _check_cache(kc: Any, name: str, lay: KVCacheLayout, dev: torch.device) -> None:
+    if not isinstance(kc, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(kc).__name__}")
+    if kc.device != dev:
+        raise ValueError(f"{name}: expected a tensor on {dev} (where q is), got {kc.device}")
+    if kc.dim() == 4 and kc.shape[2] != 1:
+        raise ValueError(f"{name}: h_kv (dim 2) must be 1 for MLA, got {kc.shape[2]}")
+    check_quantized_cache(kc, lay, name)
+    if kc.shape[0] < 1 or kc.shape[1] < 1:
+        raise ValueError(f"{name}: needs at least one block of at least one token, got {list(kc.shape)}")
+
+
+def _check_indices(ix: Any, name: str, b: int, s_q: int, dev: torch.device) -> None:
+    check_tensor(ix, name, (torch.int32,), 3)
+    if ix.shape[0] != b or ix.shape[1] != s_q:
+        raise ValueError(f"{name}: expected shape [b={b}, s_q={s_q}, topk], got {list(ix.shape)}")
+    if ix.shape[2] < 1:
+        raise ValueError(f"{name}: topk must be >= 1, got {ix.shape[2]}")
+    if ix.device != dev:
+        raise ValueError(f"{name}: expected a tensor on {dev} (where q is), got {ix.device}")
+
+
+def _check_vector(x: Any, name: str, dtype: torch.dtype, n: int, n_name: str, dev: torch.device) -> Optional[torch.Tensor]:
+    """An optional 1-D ``[n]`` tensor, returned contiguous: the kernels index it as ``ptr + i``, so
+    a view (strided, expanded, offset) becomes a copy on the device (no host synchronisation)."""
+    if x is None:
+        return None
+    check_tensor(x, name, (dtype,), 1, dev)
+    if x.shape[0] != n:
+        raise ValueError(f"{name}: expected shape [{n_name}={n}], got {list(x.shape)}")
+    return x.contiguous()
+
+
+def validate_sparse_decode(
+    *,
+    q: Any,
+    k_cache: Any,
+    indices: Any,
+    head_dim_v: Any = 512,
+    softmax_scale: Any = None,
+    is_fp8_kvcache: Any = True,
+    causal: Any = False,
+    attn_sink: Any = None,
+    extra_k_cache: Any = None,
+    extra_indices_in_kvcache: Any = None,
+    topk_length: Any = None,
+    extra_topk_length: Any = None,
+) -> DecodeProblem:
+    """Check every argument of the sparse decode (the arguments of
+    :func:`sparse_mla.flash_mla_with_kvcache`); return the :class:`DecodeProblem`.
+
+    The 1-D ``topk_length``, ``extra_topk_length`` and ``attn_sink`` come back contiguous (a copy
+    on the device when a view was given); every other tensor's strides are honoured by the
+    kernels. ``b = 0`` or ``s_q = 0`` is valid (an empty step).
+
+    Raises:
+        TypeError / ValueError: naming the first bad argument.
+    """
+    lay = _check_q(q)
+    b, s_q, h_q, d_qk = q.shape
+    dev = q.device
+    _check_flags(lay, head_dim_v, is_fp8_kvcache, causal)
+    sm_scale = _sm_scale(softmax_scale, d_qk)
+    _check_cache(k_cache, "k_cache", lay, dev)
+    _check_indices(indices, "indices", b, s_q, dev)
+    topk_length = _check_vector(topk_length, "topk_length", torch.int32, b, "b", dev)
+    if (extra_k_cache is None) != (extra_indices_in_kvcache is None):
+        raise ValueError("extra_k_cache and extra_indices_in_kvcache: give both or neither")
+    if extra_k_cache is None and extra_topk_length is not None:
+        raise ValueError("extra_topk_length: given without extra_k_cache")
+    if extra_k_cache is not None:
+        _check_cache(extra_k_cache, "extra_k_cache", lay, dev)
+        _check_indices(extra_indices_in_kvcache, "extra_indices_in_kvcache", b, s_q, dev)
+        extra_topk_length = _check_vector(extra_topk_length, "extra_topk_length", torch.int32, b, "b", dev)
+    attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
+    return DecodeProblem(
+        q=q, k_cache=k_cache, indices=indices, layout=lay, sm_scale=sm_scale, d_v=lay.d_v,
+        topk_length=topk_length, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
+        extra_indices=extra_indices_in_kvcache, extra_topk_length=extra_topk_length,
+    )
+
+
+def is_empty(p: DecodeProblem) -> bool:
+    """An empty step (``b = 0`` or ``s_q = 0``): nothing to schedule or launch."""
+    return p.q.shape[0] == 0 or p.q.shape[1] == 0
+
+
+def empty_outputs(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out [b, s_q, h_q, d_v]`` bf16 and ``lse [b, h_q, s_q]`` fp32 of an empty step (no launch)."""
+    b, s_q, h_q, _ = p.q.shape
+    return (p.q.new_empty((b, s_q, h_q, p.d_v), dtype=torch.bfloat16),
+            p.q.new_empty((b, h_q, s_q), dtype=torch.float32))

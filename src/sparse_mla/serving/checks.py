@@ -1,0 +1,89 @@
+"""Argument checks of the serving-path operations, shared by the kernels, their PyTorch twins and
+the custom ops (pure PyTorch: importing this module imports no Triton)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..formats import KVCacheLayout, LayoutLike, cache_bytes, check_quantized_cache, get_layout, layout_of_cache
+
+__all__ = ["check_store_args", "check_abs_index_args"]
+
+
+def check_store_args(
+    kv: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    layout: Optional[LayoutLike] = None,
+) -> KVCacheLayout:
+    """Validate the arguments of :func:`quantize_and_store_kv` (no device synchronisation).
+
+    Returns the cache layout. Raises ``TypeError``/``ValueError`` naming the bad argument; slot
+    values are range-checked only when ``slot_mapping`` is on the CPU.
+    """
+    lay = layout_of_cache(k_cache)
+    if layout is not None:
+        want = get_layout(layout)
+        if want != lay:
+            raise ValueError(
+                f"layout: {want.name} given, but k_cache has {k_cache.shape[-1]} bytes per token ({lay.name})"
+            )
+    check_quantized_cache(k_cache, lay, "k_cache")
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype != torch.bfloat16:
+        raise TypeError(f"kv: expected dtype torch.bfloat16, got {kv.dtype}")
+    if kv.dim() != 2 or kv.shape[1] != lay.d_qk:
+        raise ValueError(
+            f"kv: expected shape [n, {lay.d_qk}] (d_qk of the {lay.name} cache), got {list(kv.shape)}"
+        )
+    if kv.numel() and kv.stride(1) != 1:
+        raise ValueError(f"kv: the last dimension must be contiguous (stride 1), got strides {list(kv.stride())}")
+    if not isinstance(slot_mapping, torch.Tensor):
+        raise TypeError(f"slot_mapping: expected a torch.Tensor, got {type(slot_mapping).__name__}")
+    if slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"slot_mapping: expected dtype torch.int64 (or torch.int32), got {slot_mapping.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != kv.shape[0]:
+        raise ValueError(f"slot_mapping: expected shape [n={kv.shape[0]}], got {list(slot_mapping.shape)}")
+    if kv.device != k_cache.device:
+        raise ValueError(f"kv: expected a tensor on {k_cache.device} (where k_cache is), got {kv.device}")
+    if slot_mapping.device != k_cache.device:
+        raise ValueError(f"slot_mapping: expected a tensor on {k_cache.device} (where k_cache is), got {slot_mapping.device}")
+    # the kernel stores float32 scales (V32) and int16 RoPE halves through typed pointers
+    align = 4 if lay.name == "V32" else 2
+    raw = cache_bytes(k_cache)
+    if k_cache.numel() and (raw.data_ptr() % align or raw.stride(0) % align or (raw.shape[1] > 1 and raw.stride(1) % align)):
+        raise ValueError(
+            f"k_cache: the {lay.name} layout needs its start and block/token strides aligned to {align} bytes, "
+            f"got offset {raw.data_ptr() % 16} mod 16 and strides {list(raw.stride())}"
+        )
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
+        n_slots = int(k_cache.shape[0]) * int(k_cache.shape[1])
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= n_slots:
+            bad = lo if lo < -1 else hi
+            raise ValueError(
+                f"slot_mapping: values must be -1 (skip) or in [0, {n_slots}) (num_blocks * page_block_size), got {bad}"
+            )
+    return lay
+
+
+def check_abs_index_args(abs_indices: torch.Tensor, block_table: torch.Tensor, page_block_size: int) -> None:
+    """Argument checks shared by :func:`abs_indices_to_kvcache_indices` and its Triton twin."""
+    if not isinstance(abs_indices, torch.Tensor) or abs_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError("abs_indices: expected an int32 tensor [b, s_q, topk]")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
+        raise TypeError("block_table: expected an int32 tensor [b, max_blocks_per_seq]")
+    if isinstance(page_block_size, bool) or not isinstance(page_block_size, int) or page_block_size <= 0:
+        raise ValueError(f"page_block_size: expected a positive int, got {page_block_size!r}")
+    if abs_indices.dim() != 3:
+        raise ValueError(f"abs_indices: expected shape [b, s_q, topk], got {list(abs_indices.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != abs_indices.shape[0]:
+        raise ValueError(
+            f"block_table: expected shape [b={abs_indices.shape[0]}, max_blocks_per_seq], got {list(block_table.shape)}"
+        )
+    if block_table.device != abs_indices.device:
+        raise ValueError("block_table: must be on the same device as abs_indices")
+
+

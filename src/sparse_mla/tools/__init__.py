@@ -1,0 +1,1 @@
+"""Command-line tools: ``sparse-mla demo`` and ``sparse-mla serve-sim`` (:mod:`.cli`)."""
