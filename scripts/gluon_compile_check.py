@@ -2,12 +2,16 @@
 
     PYTHONPATH=src python3 scripts/gluon_compile_check.py [--sink] [--topk-len] [--pbs 61] [--dump DIR]
 
+Runs on any machine with Triton (no GPU needed): check the Hopper kernel compiles, and what it costs
+in registers, spills and shared memory, after every change to it.
+
 Compiles ``sparse_mla.decode.hopper._sparse_decode_gluon_kernel`` for sm_90a
 (``GPUTarget("cuda", 90, 32)``), prints Triton's register/smem numbers, assembles the PTX with the
 ptxas shipped with Triton (``-arch=sm_90a -v``: registers, spills per kernel) and counts HGMMA /
 mbarrier / setmaxnreg instructions in the SASS (``cuobjdump -sass``). Exit code 1 if something
 expected is missing (HGMMA, spills over the threshold, smem over 227 KiB).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,32 +22,53 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
-
-from sparse_mla.decode import hopper as sdg  # noqa: E402
+from sparse_mla.decode import hopper as sdg
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = {
-    "q_ptr": "*bf16", "kv_ptr": "*u8", "idx_ptr": "*i32", "topk_len_ptr": "*i32", "sink_ptr": "*fp32",
-    "meta_ptr": "*i32", "nsplit_ptr": "*i32", "mainblk_ptr": "*i32", "nblk_ptr": "*i32",
-    "out_ptr": "*bf16", "lse_ptr": "*fp32", "oacc_ptr": "*fp32", "lacc_ptr": "*fp32",
+    "q_ptr": "*bf16",
+    "kv_ptr": "*u8",
+    "idx_ptr": "*i32",
+    "topk_len_ptr": "*i32",
+    "sink_ptr": "*fp32",
+    "meta_ptr": "*i32",
+    "nsplit_ptr": "*i32",
+    "mainblk_ptr": "*i32",
+    "nblk_ptr": "*i32",
+    "out_ptr": "*bf16",
+    "lse_ptr": "*fp32",
+    "oacc_ptr": "*fp32",
+    "lacc_ptr": "*fp32",
 }
 # strides that are 1 at run time (Triton specialises them as constants; keep them plain i32 here)
 UNIT = {"stride_it", "stride_ls", "stride_lsq"}
 SMEM_LIMIT = 232448  # 227 KiB opt-in on H100/H200
 
 
-def compile_kernel(has_sink: bool, has_topk_len: bool, pbs_pow2: bool, pbs_log2: int,
-                   producer_regs: int, maxnreg: int, num_warps: int = 8):
+def compile_kernel(
+    has_sink: bool,
+    has_topk_len: bool,
+    pbs_pow2: bool,
+    pbs_log2: int,
+    producer_regs: int,
+    maxnreg: int,
+    num_warps: int = 8,
+):
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
-    consts = dict(HAS_TOPK_LEN=has_topk_len, HAS_SINK=has_sink, PBS_POW2=pbs_pow2, PBS_LOG2=pbs_log2,
-                  PRODUCER_WARPS=sdg.HopperConfig().producer_warps, PRODUCER_REGS=producer_regs,
-                  PROFILE=sdg.PROFILE_OFF)
+    consts = dict(
+        HAS_TOPK_LEN=has_topk_len,
+        HAS_SINK=has_sink,
+        PBS_POW2=pbs_pow2,
+        PBS_LOG2=pbs_log2,
+        PRODUCER_WARPS=sdg.HopperConfig().producer_warps,
+        PRODUCER_REGS=producer_regs,
+        PROFILE=sdg.PROFILE_OFF,
+    )
     sig = {}
     for n in names:
         if n in PTRS:
@@ -56,10 +81,10 @@ def compile_kernel(has_sink: bool, has_topk_len: bool, pbs_pow2: bool, pbs_log2:
             sig[n] = "i32"
     div16 = [n for n in names if n in PTRS or (n.startswith("stride") and n not in UNIT)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    src = GluonASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                         attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, maxnreg=maxnreg))
+    src = GluonASTSource(
+        fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
 
 
 def sass_regions(sass: str):
@@ -81,15 +106,15 @@ def sass_regions(sass: str):
 def inner_loop_counts(sass: str) -> dict:
     """Instruction counts between the consumer's first ready-barrier wait and its empty arrive."""
     lines = sass.splitlines()
-    start = next((i for i, l in enumerate(lines) if "HGMMA.64x32x16" in l), None)
+    start = next((i for i, line in enumerate(lines) if "HGMMA.64x32x16" in line), None)
     if start is None:
         return {}
     b = next(i for i in range(start, -1, -1) if "SYNCS.PHASECHK" in lines[i])
     e = next(i for i in range(start, len(lines)) if "SYNCS.ARRIVE" in lines[i])
     c = {}
-    for l in lines[b:e + 1]:
+    for line in lines[b : e + 1]:
         for pat in ("STL", "LDL", "BAR.SYNC", "HGMMA", "MUFU.EX2", "SHFL", "STS", "LDS", "WARPGROUP.DEPBAR"):
-            if re.search(r"\b" + re.escape(pat), l):
+            if re.search(r"\b" + re.escape(pat), line):
                 c[pat] = c.get(pat, 0) + 1
     return c
 
@@ -102,28 +127,49 @@ def main() -> int:
     ap.add_argument("--producer-regs", type=int, default=sdg.HopperConfig().producer_regs)
     ap.add_argument("--maxnreg", type=int, default=sdg.HopperConfig().maxnreg)
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass")
-    ap.add_argument("--max-spill", type=int, default=256,
-                    help="spill bytes tolerated (ptxas total; the per-region SASS table shows where they are)")
+    ap.add_argument(
+        "--max-spill",
+        type=int,
+        default=256,
+        help="spill bytes tolerated (ptxas total; the per-region SASS table shows where they are)",
+    )
     a = ap.parse_args()
     pow2 = a.pbs & (a.pbs - 1) == 0
     k = compile_kernel(a.sink, a.topk_len, pow2, a.pbs.bit_length() - 1 if pow2 else 0, a.producer_regs, a.maxnreg)
     md = k.metadata
-    print(f"triton: n_regs={k.n_regs if hasattr(k, 'n_regs') else None} shared={md.shared} B "
-          f"(limit {SMEM_LIMIT}) num_warps={md.num_warps}")
+    print(
+        f"triton: n_regs={k.n_regs if hasattr(k, 'n_regs') else None} shared={md.shared} B "
+        f"(limit {SMEM_LIMIT}) num_warps={md.num_warps}"
+    )
     dump = a.dump or tempfile.mkdtemp(prefix="gluon_sd_")
     os.makedirs(dump, exist_ok=True)
     for ext in ("ttgir", "llir", "ptx"):
         with open(os.path.join(dump, f"k.{ext}"), "w") as f:
             f.write(k.asm[ext])
     ptx = k.asm["ptx"]
-    for pat in ["wgmma.mma_async", "wgmma.wait_group", "mbarrier.try_wait", "mbarrier.arrive", "setmaxnreg",
-                "ld.global.v4", "ld.global", "st.shared.v4", "st.shared", "bar.sync", "bar.arrive",
-                "fence.proxy.async", "cvt.rn.f16x2.e4m3x2", "ld.local", "st.local"]:
+    for pat in [
+        "wgmma.mma_async",
+        "wgmma.wait_group",
+        "mbarrier.try_wait",
+        "mbarrier.arrive",
+        "setmaxnreg",
+        "ld.global.v4",
+        "ld.global",
+        "st.shared.v4",
+        "st.shared",
+        "bar.sync",
+        "bar.arrive",
+        "fence.proxy.async",
+        "cvt.rn.f16x2.e4m3x2",
+        "ld.local",
+        "st.local",
+    ]:
         print(f"  ptx {pat:24s} {len(re.findall(re.escape(pat), ptx))}")
     ptx_path = os.path.join(dump, "k.ptx")
     cubin = os.path.join(dump, "k.cubin")
-    r = subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", "-v", ptx_path, "-o", cubin],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [os.path.join(BIN, "ptxas"), "-arch=sm_90a", "-v", ptx_path, "-o", cubin], capture_output=True, text=True
+    )
     print("ptxas rc", r.returncode)
     ok = r.returncode == 0
     for line in r.stderr.splitlines():
@@ -136,9 +182,25 @@ def main() -> int:
         s = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
         with open(os.path.join(dump, "k.sass"), "w") as f:
             f.write(s)
-        counts = {pat: len(re.findall(pat, s)) for pat in
-                  ["HGMMA", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "SYNCS", "USETMAXREG", "LDG.E.128", "LDG",
-                   "STS.128", "STS", "LDL", "STL", "F2FP", "BAR.SYNC", "BAR.ARV"]}
+        counts = {
+            pat: len(re.findall(pat, s))
+            for pat in [
+                "HGMMA",
+                "WARPGROUP.ARRIVE",
+                "WARPGROUP.DEPBAR",
+                "SYNCS",
+                "USETMAXREG",
+                "LDG.E.128",
+                "LDG",
+                "STS.128",
+                "STS",
+                "LDL",
+                "STL",
+                "F2FP",
+                "BAR.SYNC",
+                "BAR.ARV",
+            ]
+        }
         for pat, c in counts.items():
             print(f"  sass {pat:18s} {c}")
         print("  per register region (USETMAXREG value: instruction counts):")

@@ -6,6 +6,7 @@ Written from DESIGN §4 directly (not from the library's code), so that they can
 * MODEL1: its 576-byte ``[nope | rope]`` record at ``block * stride(0) + offset * 576`` and its 8
   scale bytes at ``block * stride(0) + page_block_size * 576 + offset * 8``.
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@
 * ``tests/helpers.py`` is importable as ``helpers`` in every import mode.
 * ``@pytest.mark.gpu`` tests are skipped when CUDA is absent.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,10 @@ def pytest_report_header(config):
         return f"sparse_mla kernels: compiled on {torch.cuda.get_device_name()}"
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "sparse_mla kernels: Triton interpreter on the CPU (TRITON_INTERPRET=1)"
-    return ("sparse_mla kernels: NOT TESTED (no CUDA and TRITON_INTERPRET is not 1): "
-            "kernel tests skip; unset TRITON_INTERPRET to run them under the interpreter")
+    return (
+        "sparse_mla kernels: NOT TESTED (no CUDA and TRITON_INTERPRET is not 1): "
+        "kernel tests skip; unset TRITON_INTERPRET to run them under the interpreter"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,17 +3,16 @@
 Import from a test file with ``from helpers import ...`` (``tests/conftest.py`` puts this folder
 on ``sys.path``). Kernel tests reuse :func:`make_problem` and :func:`sparse_mla.testing.check_decode_close`.
 """
+
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from sparse_mla.formats import get_layout, quantize_k_cache
 from sparse_mla.testing import check_decode_close, cos_diff  # noqa: F401  (re-exported for the tests)
-
 
 
 def triton_interpret_enabled() -> bool:
@@ -52,8 +51,13 @@ def make_cache(
 
 
 def random_indices(
-    b: int, s_q: int, topk: int, num_tokens: int, seed: int, invalid_frac: float = 0.1,
-    exclude: Optional[torch.Tensor] = None,
+    b: int,
+    s_q: int,
+    topk: int,
+    num_tokens: int,
+    seed: int,
+    invalid_frac: float = 0.1,
+    exclude: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[b, s_q, topk]`` int32 cache indices: distinct valid tokens per query (like a top-k) with a
     fraction replaced by ``-1`` or out-of-range values (``num_tokens``, ``num_tokens + 7``, ...).
@@ -89,22 +93,28 @@ class Problem:
     k_cache: torch.Tensor
     indices: torch.Tensor
     layout: str
-    topk_length: Optional[torch.Tensor] = None
-    attn_sink: Optional[torch.Tensor] = None
-    extra_k_cache: Optional[torch.Tensor] = None
-    extra_indices: Optional[torch.Tensor] = None
-    extra_topk_length: Optional[torch.Tensor] = None
+    topk_length: torch.Tensor | None = None
+    attn_sink: torch.Tensor | None = None
+    extra_k_cache: torch.Tensor | None = None
+    extra_indices: torch.Tensor | None = None
+    extra_topk_length: torch.Tensor | None = None
 
     def ref_kwargs(self) -> dict:
         return dict(
-            topk_length=self.topk_length, attn_sink=self.attn_sink, extra_k_cache=self.extra_k_cache,
-            extra_indices=self.extra_indices, extra_topk_length=self.extra_topk_length,
+            topk_length=self.topk_length,
+            attn_sink=self.attn_sink,
+            extra_k_cache=self.extra_k_cache,
+            extra_indices=self.extra_indices,
+            extra_topk_length=self.extra_topk_length,
         )
 
     def api_kwargs(self) -> dict:
         return dict(
-            indices=self.indices, topk_length=self.topk_length, attn_sink=self.attn_sink,
-            extra_k_cache=self.extra_k_cache, extra_indices_in_kvcache=self.extra_indices,
+            indices=self.indices,
+            topk_length=self.topk_length,
+            attn_sink=self.attn_sink,
+            extra_k_cache=self.extra_k_cache,
+            extra_indices_in_kvcache=self.extra_indices,
             extra_topk_length=self.extra_topk_length,
         )
 
@@ -119,10 +129,10 @@ def make_problem(
     page_block_size: int = 64,
     seed: int = 0,
     invalid_frac: float = 0.1,
-    topk_length: Optional[list[int]] = None,
+    topk_length: list[int] | None = None,
     extra_topk: int = 0,
-    extra_topk_length: Optional[list[int]] = None,
-    attn_sink: Optional[list[float]] = None,
+    extra_topk_length: list[int] | None = None,
+    attn_sink: list[float] | None = None,
     out_dtype: torch.dtype = torch.float8_e4m3fn,
 ) -> Problem:
     """A random problem; ``attn_sink`` values are cycled over the heads."""

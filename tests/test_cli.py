@@ -1,5 +1,6 @@
 """The command line: ``sparse-mla demo`` (run in a subprocess: the demo sets TRITON_INTERPRET), and
 what a new user reads before it: the README's install steps, the dependencies, docs/design.md."""
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,6 @@ import pytest
 import torch
 
 from sparse_mla.tools import cli
-
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,11 +28,26 @@ def _run(*args: str, env_update: dict | None = None, timeout: float = 300) -> su
 
 # facts of the seed's worked example that the demo prints from the code
 SEED_FACTS = [
-    "d_qk", "576", "ue8m0",                                       # a. config
-    "2^-9", "0x70", "0-511", "512-527", "528-655", "656", "584",   # b. one token
-    "= 66", "payload = ceil(14 / 66) + 5 = 6", "num_splits = [0, 2, 4]", "partitions 4-65 idle",  # c.
-    "[2, 1, 128, 512] bfloat16", "[2, 128, 1] float32",            # d. shapes
-    "0.7579", "0.2333", "1.9911", "0.1353",                        # e. combine
+    "d_qk",
+    "576",
+    "ue8m0",  # a. config
+    "2^-9",
+    "0x70",
+    "0-511",
+    "512-527",
+    "528-655",
+    "656",
+    "584",  # b. one token
+    "= 66",
+    "payload = ceil(14 / 66) + 5 = 6",
+    "num_splits = [0, 2, 4]",
+    "partitions 4-65 idle",  # c.
+    "[2, 1, 128, 512] bfloat16",
+    "[2, 128, 1] float32",  # d. shapes
+    "0.7579",
+    "0.2333",
+    "1.9911",
+    "0.1353",  # e. combine
 ]
 
 
@@ -163,8 +178,14 @@ def test_numpy_is_a_runtime_dependency():
 
 
 # what the CUDA builds of torch on PyPI pin (checked with pip's dry-run reports): torch -> triton
-TORCH_TRITON = {"2.11.0": "3.6.0", "2.12.0": "3.7.0", "2.12.1": "3.7.1", "2.13.0": "3.7.1", "2.14.1": "3.8.0",
-                "2.15.0": "3.9.0"}
+TORCH_TRITON = {
+    "2.11.0": "3.6.0",
+    "2.12.0": "3.7.0",
+    "2.12.1": "3.7.1",
+    "2.13.0": "3.7.1",
+    "2.14.1": "3.8.0",
+    "2.15.0": "3.9.0",
+}
 
 
 def test_requirements_admit_the_torch_and_triton_we_claim():
@@ -183,8 +204,12 @@ def _install_section() -> str:
 def test_readme_install_works_without_the_ci_pins():
     """The CPU install must not use .ci/constraints.txt (a CUDA torch + triton conflict off CI) and must
     take PyTorch's CPU build before the package."""
-    commands = [line.strip() for block in re.findall(r"```bash\n(.*?)```", _install_section(), re.DOTALL)
-                for line in block.splitlines() if line.strip().startswith("pip ")]
+    commands = [
+        line.strip()
+        for block in re.findall(r"```bash\n(.*?)```", _install_section(), re.DOTALL)
+        for line in block.splitlines()
+        if line.strip().startswith("pip ")
+    ]
     assert commands, _install_section()
     assert not any("constraints" in c or " -c " in c for c in commands), commands
     cpu = next(i for i, c in enumerate(commands) if "download.pytorch.org/whl/cpu" in c)
@@ -211,7 +236,13 @@ def test_design_doc_lists_the_walkthrough_steps_and_real_paths():
     for sec in ("## 3.", "## 4.", "## 5.", "## 6."):  # the numbers code comments cite as "DESIGN §N"
         assert sec in doc
     paths = set(re.findall(r"`((?:[a-z]+/)?[a-z_]+\.py)`", doc))
-    assert {"scheduler.py", "formats/layouts.py", "decode/portable.py", "decode/hopper.py", "decode/combine.py"} <= paths
+    assert {
+        "scheduler.py",
+        "formats/layouts.py",
+        "decode/portable.py",
+        "decode/hopper.py",
+        "decode/combine.py",
+    } <= paths
     for rel in paths:
         assert (ROOT / "src" / "sparse_mla" / rel).is_file(), rel
 
@@ -240,3 +271,15 @@ def test_cuda_device_without_cuda_is_an_error():
 def test_ranges():
     assert cli._ranges([4, 5, 6, 9, 11, 12]) == "4-6, 9, 11-12"
     assert cli._ranges([]) == ""
+
+
+@pytest.mark.parametrize("command", ["demo", "serve-sim"])
+@pytest.mark.parametrize("seed", ["99999999999999999999", "-1", "x"])
+def test_bad_seed_is_a_usage_error_naming_it(command, seed, capsys):
+    try:
+        rc = cli.main([command, "--device", "cpu", "--seed", seed])
+    except SystemExit as e:  # argparse's own usage error
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--seed" in err and "Traceback" not in err

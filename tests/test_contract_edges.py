@@ -4,6 +4,7 @@ non-finite inputs, MODEL1 caches without block padding, empty steps, the interpr
 Kernels run compiled on a GPU, else under Triton's interpreter (``tests/conftest.py`` selects it
 on machines without CUDA). Every case is compared with the fp32 reference or the PyTorch twin.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def to_dev(p):
-    for f in ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra_k_cache", "extra_indices", "extra_topk_length"):
+    for f in (
+        "q",
+        "k_cache",
+        "indices",
+        "topk_length",
+        "attn_sink",
+        "extra_k_cache",
+        "extra_indices",
+        "extra_topk_length",
+    ):
         v = getattr(p, f)
         if v is not None:
             setattr(p, f, cache_to(v, DEVICE) if f.endswith("k_cache") else v.to(DEVICE))
@@ -78,11 +88,19 @@ def run_op(p, num_sms, **over):
 @pytest.mark.parametrize("num_sms", [2, 132])  # whole batches, and split batches (combine)
 def test_length_and_sink_views(kind, entry, num_sms):
     uniform = kind == "expanded"
-    p = to_dev(make_problem(
-        b=3, s_q=2, h_q=16, topk=130, seed=31, extra_topk=70,
-        topk_length=[77] * 3 if uniform else [0, 77, 130], extra_topk_length=[5] * 3 if uniform else [70, 0, 5],
-        attn_sink=[0.7] if uniform else [INF, -1.5, 0.3, 2.0],
-    ))
+    p = to_dev(
+        make_problem(
+            b=3,
+            s_q=2,
+            h_q=16,
+            topk=130,
+            seed=31,
+            extra_topk=70,
+            topk_length=[77] * 3 if uniform else [0, 77, 130],
+            extra_topk_length=[5] * 3 if uniform else [70, 0, 5],
+            attn_sink=[0.7] if uniform else [INF, -1.5, 0.3, 2.0],
+        )
+    )
     ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512, **p.ref_kwargs())
     # fillers that change the answer if read: length 0 (nothing attended), sink +inf (out 0)
     views = dict(
@@ -136,8 +154,9 @@ def test_schedule_tensor_views_through_the_op(kind):
     big = torch.full((md.shape[0], md.shape[1] * 2), 10_000, dtype=md.dtype, device=md.device)
     big[:, ::2] = md
     viewed["tile_scheduler_metadata"] = big[:, ::2] if kind == "strided" else torch.cat([big[:1, :8], md])[1:]
-    out2, lse2 = torch.ops.sparse_mla.sparse_decode(p.q, p.k_cache, p.indices, **viewed, sm_scale=576 ** -0.5,
-                                                    topk_length=p.topk_length)
+    out2, lse2 = torch.ops.sparse_mla.sparse_decode(
+        p.q, p.k_cache, p.indices, **viewed, sm_scale=576**-0.5, topk_length=p.topk_length
+    )
     assert torch.equal(out2, out) and torch.equal(lse2, lse)
 
 
@@ -152,8 +171,9 @@ def test_store_views(kind):
     kv_big = torch.zeros(8, 2, 576, dtype=torch.bfloat16)
     kv_big[:, 1] = k
     kv_view = kv_big[:, 1] if kind == "strided" else torch.cat([torch.zeros(1, 576, dtype=torch.bfloat16), k])[1:]
-    flash_mla.quantize_and_store_kv(kv_view.to(DEVICE) if kind == "offset" else kv_big.to(DEVICE)[:, 1],
-                                    view_of(slots.to(DEVICE), kind, 3), cache)
+    flash_mla.quantize_and_store_kv(
+        kv_view.to(DEVICE) if kind == "offset" else kv_big.to(DEVICE)[:, 1], view_of(slots.to(DEVICE), kind, 3), cache
+    )
     assert torch.equal(cache.view(torch.uint8).cpu(), want.view(torch.uint8))
 
 
@@ -198,8 +218,9 @@ def _paths():
 def test_nan_sink_propagates(path, interp, num_sms, monkeypatch):
     if interp is not None:
         monkeypatch.setenv("TRITON_INTERPRET", interp)
-    p = to_dev(make_problem(b=3, s_q=2, h_q=16, topk=70, seed=41, topk_length=[70, 0, 40],
-                            attn_sink=[NAN, 0.5, -1.0, INF]))
+    p = to_dev(
+        make_problem(b=3, s_q=2, h_q=16, topk=70, seed=41, topk_length=[70, 0, 40], attn_sink=[NAN, 0.5, -1.0, INF])
+    )
     ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512, **p.ref_kwargs())
     out, lse = run_api(p, num_sms)
     check_decode_close(out, lse, ro, rl, finite=False)
@@ -241,8 +262,9 @@ def test_non_finite_q(path, interp, num_sms, monkeypatch):
 def test_model1_dense_copy_of_padded_cache(path, interp, monkeypatch):
     if interp is not None:
         monkeypatch.setenv("TRITON_INTERPRET", interp)
-    p = make_problem(b=2, s_q=1, h_q=16, topk=100, layout="MODEL1", num_blocks=3, page_block_size=61, seed=45,
-                     extra_topk=40)
+    p = make_problem(
+        b=2, s_q=1, h_q=16, topk=100, layout="MODEL1", num_blocks=3, page_block_size=61, seed=45, extra_topk=40
+    )
     padded = p.k_cache
     dense = padded.clone()  # what .clone() / .to(device) give: block stride 61 * 584, no padding
     assert dense.stride(0) == 61 * 584 < padded.stride(0)
@@ -272,7 +294,9 @@ def test_model1_block_stride_below_its_bytes_is_rejected():
     with pytest.raises(ValueError, match="^k_cache: block stride"):
         flash_mla.flash_mla_with_kvcache(q, short, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
     with pytest.raises(ValueError, match="^k_cache"):
-        flash_mla.quantize_and_store_kv(torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long), short)
+        flash_mla.quantize_and_store_kv(
+            torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long), short
+        )
 
 
 # ------------------------------------------------------------------ 6. empty steps
@@ -291,8 +315,9 @@ def test_empty_steps(path, interp, b, s_q, monkeypatch):
     sink = torch.zeros(16, device=DEVICE)
     meta, _ = flash_mla.get_mla_metadata()
     for fn in (
-        lambda: flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx,
-                                                 topk_length=lens, attn_sink=sink),
+        lambda: flash_mla.flash_mla_with_kvcache(
+            q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, topk_length=lens, attn_sink=sink
+        ),
         lambda: lib.sparse_decode(q, kc, idx, meta, topk_length=lens, attn_sink=sink),
     ):
         out, lse = fn()
@@ -300,13 +325,30 @@ def test_empty_steps(path, interp, b, s_q, monkeypatch):
         assert lse.shape == (b, 16, s_q) and lse.dtype == torch.float32
     assert not meta.have_initialized  # nothing was scheduled
     out, lse = torch.ops.sparse_mla.sparse_decode(
-        q, kc, idx, torch.zeros(1, 8, dtype=torch.int32, device=DEVICE), torch.zeros(b + 1, dtype=torch.int32, device=DEVICE),
-        torch.zeros(b, dtype=torch.int32, device=DEVICE), torch.zeros(b, dtype=torch.int32, device=DEVICE), False, 0.1)
+        q,
+        kc,
+        idx,
+        torch.zeros(1, 8, dtype=torch.int32, device=DEVICE),
+        torch.zeros(b + 1, dtype=torch.int32, device=DEVICE),
+        torch.zeros(b, dtype=torch.int32, device=DEVICE),
+        torch.zeros(b, dtype=torch.int32, device=DEVICE),
+        False,
+        0.1,
+    )
     assert out.shape == (b, s_q, 16, 512) and lse.shape == (b, 16, s_q)
     # a bad argument of an empty step is still an error
     with pytest.raises(ValueError, match="^topk_length"):
-        flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx,
-                                         topk_length=torch.zeros(b + 1, dtype=torch.int32, device=DEVICE))
+        flash_mla.flash_mla_with_kvcache(
+            q,
+            kc,
+            None,
+            None,
+            512,
+            meta,
+            is_fp8_kvcache=True,
+            indices=idx,
+            topk_length=torch.zeros(b + 1, dtype=torch.int32, device=DEVICE),
+        )
 
 
 # ------------------------------------------------------------------ 4. the interpreter switch
@@ -342,11 +384,46 @@ except RuntimeError as e:
 @pytest.mark.skipif(ON_GPU, reason="the conftest selects the interpreter only without CUDA")
 def test_plain_pytest_runs_the_kernels_on_a_cpu():
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
-         os.path.join(ROOT, "tests", "test_kernels.py") + "::test_lonely_queries"],
-        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, capture_output=True, text=True,
-        timeout=600, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            os.path.join(ROOT, "tests", "test_kernels.py") + "::test_lonely_queries",
+        ],
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "1 passed" in r.stdout and "skipped" not in r.stdout
     assert "Triton interpreter on the CPU" in r.stdout
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU tensors only")
+def test_triton_imported_before_the_interpreter_was_chosen():
+    """Another library imported triton first: Triton's own functions are compiled ones, so the
+    interpreter cannot run; a RuntimeError says so (not Triton's InterpreterError)."""
+    code = """
+import os, torch, triton
+import sparse_mla as flash_mla
+from helpers import make_problem
+os.environ["TRITON_INTERPRET"] = "1"
+p = make_problem(b=1, h_q=16, topk=64)
+meta, _ = flash_mla.get_mla_metadata()
+for fn in (lambda: flash_mla.flash_mla_with_kvcache(p.q, p.k_cache, None, None, 512, meta, is_fp8_kvcache=True,
+                                                    indices=p.indices),
+           lambda: flash_mla.quantize_and_store_kv(p.k[0, :2, 0], torch.tensor([0, 1]), p.k_cache)):
+    try:
+        fn()
+    except RuntimeError as e:
+        print("ERR", e)
+"""
+    r = _run(code, {})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("ERR TRITON_INTERPRET=1 was set after Triton") == 2, r.stdout

@@ -3,16 +3,16 @@
 Calls go through the public API with ``backend="hopper"``; split and unsplit schedules are chosen
 with ``get_mla_metadata(num_sms=...)``. Timings: ``benchmarks/bench_decode.py --backends``.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import check_decode_close
 
 import sparse_mla as flash_mla
 from sparse_mla import quantize_k_cache
 from sparse_mla.reference import sparse_decode_reference
-
-from helpers import check_decode_close
 
 
 def _is_hopper() -> bool:
@@ -23,8 +23,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_hopper(), reason="need
 DEV = "cuda"
 
 
-def make_case(b, s_q, h_q, topk=2048, num_blocks=None, pbs=64, seed=0, invalid_frac=0.05, nan_unused=False,
-              topk_length=None, sink=False):
+def make_case(
+    b,
+    s_q,
+    h_q,
+    topk=2048,
+    num_blocks=None,
+    pbs=64,
+    seed=0,
+    invalid_frac=0.05,
+    nan_unused=False,
+    topk_length=None,
+    sink=False,
+):
     """Random V32 problem on the GPU: (q, k_cache, indices, kwargs for the API/reference)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     num_blocks = num_blocks or max(2 * topk // pbs, 8)
@@ -63,8 +74,9 @@ def make_case(b, s_q, h_q, topk=2048, num_blocks=None, pbs=64, seed=0, invalid_f
 
 def run_gluon(q, kc, idx, num_sms=None, **kw):
     meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
-    out, lse = flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx,
-                                                backend="hopper", **kw)
+    out, lse = flash_mla.flash_mla_with_kvcache(
+        q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend="hopper", **kw
+    )
     torch.cuda.synchronize()
     assert meta.backend == "hopper"
     return out, lse, meta.table
@@ -139,7 +151,11 @@ def test_unsupported_raises():
     q = torch.randn(1, 1, 64, 512, device=DEV).to(torch.bfloat16)
     idx = torch.randint(0, 8 * 64, (1, 1, 64), device=DEV, dtype=torch.int32)
     meta, _ = flash_mla.get_mla_metadata()
-    with pytest.raises(ValueError, match="^backend: the 'hopper' backend cannot serve this call: it serves the V32 cache"):
-        flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend="hopper")
+    with pytest.raises(
+        ValueError, match="^backend: the 'hopper' backend cannot serve this call: it serves the V32 cache"
+    ):
+        flash_mla.flash_mla_with_kvcache(
+            q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend="hopper"
+        )
     out, _ = flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
     assert meta.backend == "portable" and out.shape == (1, 1, 64, 512)

@@ -3,6 +3,7 @@
 DeepSeek-V3.2 shapes (topk 2048, 32K-token contexts of varied length in one paged cache),
 MODEL1 shapes with an extra cache, odd page sizes, CUDA-graph capture and replay.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -38,7 +39,9 @@ def paged_context(b, max_ctx, page_block_size, layout, seed, min_ctx=None):
     d_qk = 576 if layout == "V32" else 512
     gd = torch.Generator(device=DEV).manual_seed(seed)
     k = torch.randn(total, page_block_size, 1, d_qk, device=DEV, generator=gd)
-    mag = 10.0 ** (torch.rand(total, page_block_size, 1, d_qk // 64, device=DEV, generator=gd) * 2 - 2)  # see helpers.random_latent_k
+    mag = 10.0 ** (
+        torch.rand(total, page_block_size, 1, d_qk // 64, device=DEV, generator=gd) * 2 - 2
+    )  # see helpers.random_latent_k
     k = (k * mag.repeat_interleave(64, dim=-1)).to(torch.bfloat16)
     return quantize_k_cache(k, layout), table.to(DEV), ctx
 
@@ -113,7 +116,10 @@ def test_cuda_graph_capture_and_replay(backend, monkeypatch):
     q = torch.randn(b, s_q, h_q, 576, device=DEV).to(torch.bfloat16)
     idx = abs_indices_to_kvcache_indices(topk_positions(ctx, s_q, 2048, 3), table, 64)
     meta, _ = flash_mla.get_mla_metadata()
-    call = lambda: flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
+
+    def call():
+        return flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
+
     call()  # fills the scheduler metadata and compiles the kernels
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -1,5 +1,6 @@
 """Index-conversion kernel (``sparse_mla.serving.index_convert``) vs its PyTorch twin
 :func:`sparse_mla.abs_indices_to_kvcache_indices` (identical int32 results)."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,8 @@ def random_case(b, s_q, topk, pbs, nlog, seed, idx_dtype=torch.int32, bt_dtype=t
     "b,s_q,topk,pbs,nlog,idx_dtype,bt_dtype",
     [
         (3, 2, 50, 16, 5, torch.int32, torch.int32),
-        (2, 1, 1500, 64, 20, torch.int32, torch.int32),   # two column blocks of 1024, masked tail
-        (4, 3, 33, 7, 9, torch.int64, torch.int64),       # odd page size, int64 inputs
+        (2, 1, 1500, 64, 20, torch.int32, torch.int32),  # two column blocks of 1024, masked tail
+        (4, 3, 33, 7, 9, torch.int64, torch.int64),  # odd page size, int64 inputs
         (1, 1, 1, 1, 3, torch.int32, torch.int64),
     ],
 )
@@ -90,9 +91,15 @@ def test_int32_overflow_and_empty_batch(fn):
     """Slots past int32 become -1 (they used to wrap to valid slots); b = 0 works."""
     conv = abs_indices_to_kvcache_indices if fn == "torch" else abs_indices_to_kvcache_indices_triton
     dev = DEV
-    r = conv(torch.tensor([[[0, 1, 5]]], dtype=torch.int32, device=dev), torch.tensor([[2**30]], dtype=torch.int32, device=dev), 4)
+    r = conv(
+        torch.tensor([[[0, 1, 5]]], dtype=torch.int32, device=dev),
+        torch.tensor([[2**30]], dtype=torch.int32, device=dev),
+        4,
+    )
     assert r.tolist() == [[[-1, -1, -1]]]
-    r = conv(torch.tensor([[[3]]], dtype=torch.int32, device=dev), torch.tensor([[1]], dtype=torch.int32, device=dev), 2**30)
+    r = conv(
+        torch.tensor([[[3]]], dtype=torch.int32, device=dev), torch.tensor([[1]], dtype=torch.int32, device=dev), 2**30
+    )
     assert r.tolist() == [[[2**30 + 3]]]
     r = conv(torch.zeros(0, 1, 4, dtype=torch.int32, device=dev), torch.zeros(0, 2, dtype=torch.int32, device=dev), 16)
     assert r.shape == (0, 1, 4)

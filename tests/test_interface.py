@@ -5,14 +5,15 @@ Agreement tests run the PyTorch path (``TRITON_INTERPRET=0``) always, and the Tr
 when ``TRITON_INTERPRET=1`` was set before pytest
 started (``triton.jit`` reads it when a kernel is decorated).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import check_decode_close, make_cache, make_problem, triton_interpret_enabled
 
 import sparse_mla
 import sparse_mla as flash_mla
-from helpers import check_decode_close, make_cache, make_problem, triton_interpret_enabled
 from sparse_mla import FlashMLASchedMeta
 from sparse_mla.reference import sparse_decode_reference
 
@@ -105,8 +106,15 @@ def test_seed_schedule_through_api(monkeypatch):
 @pytest.mark.parametrize("layout", ["V32", "MODEL1"])
 @pytest.mark.parametrize("h_q,s_q,num_sms", [(16, 1, 132), (64, 2, 16), (1, 2, 8)])
 def test_shapes_dtypes_and_agreement(backend, layout, h_q, s_q, num_sms):
-    p = make_problem(b=2, s_q=s_q, h_q=h_q, topk=130, layout=layout, num_blocks=4,
-                     seed=100 + h_q + 7 * s_q + num_sms + (layout == "MODEL1"))
+    p = make_problem(
+        b=2,
+        s_q=s_q,
+        h_q=h_q,
+        topk=130,
+        layout=layout,
+        num_blocks=4,
+        seed=100 + h_q + 7 * s_q + num_sms + (layout == "MODEL1"),
+    )
     meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
     out, lse = call(p, meta)
     assert out.shape == (2, s_q, h_q, 512) and out.dtype == torch.bfloat16
@@ -121,9 +129,19 @@ def test_shapes_dtypes_and_agreement(backend, layout, h_q, s_q, num_sms):
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("layout", ["V32", "MODEL1"])
 def test_all_options_agree(backend, layout):
-    p = make_problem(b=3, s_q=2, h_q=16, topk=100, layout=layout, num_blocks=4, seed=7,
-                     topk_length=[0, 65, 100], extra_topk=40, extra_topk_length=[0, 40, 3],
-                     attn_sink=[INF, -INF, 0.7, 15.0])
+    p = make_problem(
+        b=3,
+        s_q=2,
+        h_q=16,
+        topk=100,
+        layout=layout,
+        num_blocks=4,
+        seed=7,
+        topk_length=[0, 65, 100],
+        extra_topk=40,
+        extra_topk_length=[0, 40, 3],
+        attn_sink=[INF, -INF, 0.7, 15.0],
+    )
     p.indices[1, 1] = -1
     for num_sms in (2, 132):
         out, lse = call(p, num_sms=num_sms, softmax_scale=0.05)
@@ -170,8 +188,9 @@ def test_scheduler_reuse(backend):
 
 def test_nan_in_unattended_slots_does_not_leak(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    p = make_problem(b=2, s_q=1, h_q=16, topk=60, layout="V32", num_blocks=8, page_block_size=16, seed=16,
-                     invalid_frac=0.0)
+    p = make_problem(
+        b=2, s_q=1, h_q=16, topk=60, layout="V32", num_blocks=8, page_block_size=16, seed=16, invalid_frac=0.0
+    )
     used = torch.zeros(128, dtype=torch.bool)
     used[p.indices.flatten().long()] = True
     raw = p.k_cache.view(torch.uint8).clone()
@@ -209,7 +228,9 @@ def test_validation_q(good):
     _raises(ValueError, "^q:.*d_qk", good, q=good.q[..., :128].contiguous())
     _raises(ValueError, "^q:", good, q=torch.zeros(2, 1, 129, 576, dtype=torch.bfloat16))  # h_q > 128
     _raises(ValueError, "^q:", good, q=torch.zeros(2, 1, 0, 576, dtype=torch.bfloat16))  # h_q = 0
-    _raises(ValueError, "^indices", good, q=torch.zeros(0, 1, 16, 576, dtype=torch.bfloat16))  # b = 0 is valid, [2, ..] indices not
+    _raises(
+        ValueError, "^indices", good, q=torch.zeros(0, 1, 16, 576, dtype=torch.bfloat16)
+    )  # b = 0 is valid, [2, ..] indices not
     wide = torch.zeros(2, 1, 16, 576 * 2, dtype=torch.bfloat16)[..., ::2]
     _raises(ValueError, "^q:", good, q=wide)
 
@@ -264,11 +285,22 @@ def test_validation_extra_cache(good):
     _raises(ValueError, "extra_indices_in_kvcache", good, extra_k_cache=ekc)
     _raises(ValueError, "extra_k_cache", good, extra_indices_in_kvcache=eidx)
     _raises(ValueError, "^extra_topk_length", good, extra_topk_length=torch.tensor([1, 2], dtype=torch.int32))
-    _raises(ValueError, "^extra_k_cache:", good, extra_k_cache=make_cache("MODEL1", 2, 16, seed=3)[1],
-            extra_indices_in_kvcache=eidx)
+    _raises(
+        ValueError,
+        "^extra_k_cache:",
+        good,
+        extra_k_cache=make_cache("MODEL1", 2, 16, seed=3)[1],
+        extra_indices_in_kvcache=eidx,
+    )
     _raises(TypeError, "^extra_indices_in_kvcache:", good, extra_k_cache=ekc, extra_indices_in_kvcache=eidx.long())
-    _raises(ValueError, "^extra_topk_length:", good, extra_k_cache=ekc, extra_indices_in_kvcache=eidx,
-            extra_topk_length=torch.tensor([1], dtype=torch.int32))
+    _raises(
+        ValueError,
+        "^extra_topk_length:",
+        good,
+        extra_k_cache=ekc,
+        extra_indices_in_kvcache=eidx,
+        extra_topk_length=torch.tensor([1], dtype=torch.int32),
+    )
     out, lse = call(good, extra_k_cache=ekc, extra_indices_in_kvcache=eidx)  # the good combination
     assert out.shape == (2, 1, 16, 512)
 
@@ -294,21 +326,45 @@ def test_numpy_scalars_accepted(good):
 
 def test_validation_tile_scheduler_metadata(good):
     with pytest.raises(TypeError, match="^tile_scheduler_metadata"):
-        flash_mla.flash_mla_with_kvcache(good.q, good.k_cache, None, None, 512, None,
-                                         is_fp8_kvcache=True, indices=good.indices)
+        flash_mla.flash_mla_with_kvcache(
+            good.q, good.k_cache, None, None, 512, None, is_fp8_kvcache=True, indices=good.indices
+        )
     with pytest.raises(TypeError, match="^tile_scheduler_metadata"):
-        flash_mla.flash_mla_with_kvcache(good.q, good.k_cache, None, None, 512, flash_mla.get_mla_metadata(),
-                                         is_fp8_kvcache=True, indices=good.indices)
+        flash_mla.flash_mla_with_kvcache(
+            good.q,
+            good.k_cache,
+            None,
+            None,
+            512,
+            flash_mla.get_mla_metadata(),
+            is_fp8_kvcache=True,
+            indices=good.indices,
+        )
     with pytest.raises(TypeError, match="^tile_scheduler_metadata"):
-        flash_mla.flash_mla_with_kvcache(good.q, good.k_cache, None, None, 512, torch.zeros(66, 8, dtype=torch.int32),
-                                         is_fp8_kvcache=True, indices=good.indices)
+        flash_mla.flash_mla_with_kvcache(
+            good.q,
+            good.k_cache,
+            None,
+            None,
+            512,
+            torch.zeros(66, 8, dtype=torch.int32),
+            is_fp8_kvcache=True,
+            indices=good.indices,
+        )
 
 
 def test_dense_path_not_implemented(good):
     meta, _ = flash_mla.get_mla_metadata()
     with pytest.raises(NotImplementedError):
-        flash_mla.flash_mla_with_kvcache(good.q, good.k_cache, torch.zeros(2, 2, dtype=torch.int32),
-                                         torch.tensor([64, 64], dtype=torch.int32), 512, meta, is_fp8_kvcache=True)
+        flash_mla.flash_mla_with_kvcache(
+            good.q,
+            good.k_cache,
+            torch.zeros(2, 2, dtype=torch.int32),
+            torch.tensor([64, 64], dtype=torch.int32),
+            512,
+            meta,
+            is_fp8_kvcache=True,
+        )
     assert not meta.have_initialized
 
 

@@ -5,6 +5,7 @@ before Python starts) at small shapes; with CUDA they run compiled on the GPU. E
 fresh random inputs and compares with :func:`sparse_mla.reference.sparse_decode_reference`
 within DESIGN §6's tolerances.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,16 @@ pytestmark = pytest.mark.skipif(
 
 
 def to_dev(p, device=DEVICE):
-    for f in ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra_k_cache", "extra_indices", "extra_topk_length"):
+    for f in (
+        "q",
+        "k_cache",
+        "indices",
+        "topk_length",
+        "attn_sink",
+        "extra_k_cache",
+        "extra_indices",
+        "extra_topk_length",
+    ):
         v = getattr(p, f)
         if v is not None:
             setattr(p, f, cache_to(v, device) if f.endswith("k_cache") else v.to(device))
@@ -39,13 +49,21 @@ def run_api(p, num_sms=None, q=None, indices=None, k_cache=None):
     if indices is not None:
         kw["indices"] = indices
     return flash_mla.flash_mla_with_kvcache(
-        p.q if q is None else q, p.k_cache if k_cache is None else k_cache, None, None, 512, meta,
-        is_fp8_kvcache=True, **kw,
+        p.q if q is None else q,
+        p.k_cache if k_cache is None else k_cache,
+        None,
+        None,
+        512,
+        meta,
+        is_fp8_kvcache=True,
+        **kw,
     ) + (meta,)
 
 
 def ref_of(p, k_cache=None):
-    return sparse_decode_reference(p.q, p.k_cache if k_cache is None else k_cache, p.indices, None, 512, **p.ref_kwargs())
+    return sparse_decode_reference(
+        p.q, p.k_cache if k_cache is None else k_cache, p.indices, None, 512, **p.ref_kwargs()
+    )
 
 
 def check(p, num_sms=None):
@@ -73,11 +91,20 @@ def test_matches_reference(layout, h_q, s_q, num_sms):
 
 @pytest.mark.parametrize("layout", ["V32", "MODEL1"])
 def test_topk_length_sink_extra(layout):
-    p = to_dev(make_problem(
-        b=4, s_q=2, h_q=16, topk=130, layout=layout, seed=11,
-        topk_length=[0, 1, 64, 200], extra_topk=70, extra_topk_length=[70, 0, 5, 33],
-        attn_sink=[float("inf"), float("-inf"), 0.5, -2.5, 3.0],
-    ))
+    p = to_dev(
+        make_problem(
+            b=4,
+            s_q=2,
+            h_q=16,
+            topk=130,
+            layout=layout,
+            seed=11,
+            topk_length=[0, 1, 64, 200],
+            extra_topk=70,
+            extra_topk_length=[70, 0, 5, 33],
+            attn_sink=[float("inf"), float("-inf"), 0.5, -2.5, 3.0],
+        )
+    )
     for num_sms in (2, 132):
         out, lse, _ = check(p, num_sms)
         assert (out[:, :, 0::5].float() == 0).all()  # +inf sink zeroes the output
@@ -114,8 +141,17 @@ def test_nan_in_unattended_slots_never_leaks():
 @pytest.mark.parametrize("page_block_size", [2, 61, 69])
 @pytest.mark.parametrize("layout", ["V32", "MODEL1"])
 def test_odd_page_block_sizes(page_block_size, layout):
-    p = to_dev(make_problem(b=2, h_q=16, topk=96, layout=layout, num_blocks=200 // page_block_size + 2,
-                            page_block_size=page_block_size, seed=page_block_size))
+    p = to_dev(
+        make_problem(
+            b=2,
+            h_q=16,
+            topk=96,
+            layout=layout,
+            num_blocks=200 // page_block_size + 2,
+            page_block_size=page_block_size,
+            seed=page_block_size,
+        )
+    )
     check(p, 8)
 
 

@@ -1,4 +1,5 @@
 """FP8 KV-cache layouts, quantisation and index conversion (src/sparse_mla/kvcache.py; DESIGN §4)."""
+
 from __future__ import annotations
 
 import math
@@ -6,10 +7,10 @@ import struct
 
 import pytest
 import torch
+from helpers import make_cache, random_latent_k
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import make_cache, random_latent_k
 from sparse_mla import abs_indices_to_kvcache_indices
 from sparse_mla.formats import (
     MODEL1,
@@ -35,7 +36,9 @@ def raw_storage(kc: torch.Tensor) -> torch.Tensor:
 
 def e4m3_values(n_or_shape, g: torch.Generator) -> torch.Tensor:
     """Random finite e4m3 values (uniform over the 254 finite codes)."""
-    pick = torch.randint(0, E4M3_FINITE.numel(), n_or_shape if isinstance(n_or_shape, tuple) else (n_or_shape,), generator=g)
+    pick = torch.randint(
+        0, E4M3_FINITE.numel(), n_or_shape if isinstance(n_or_shape, tuple) else (n_or_shape,), generator=g
+    )
     return E4M3_FINITE[pick]
 
 
@@ -80,7 +83,7 @@ def test_seed_worked_quantization_example():
     kc = quantize_k_cache(k, "V32")
     rec = kc.view(torch.uint8)[0, 0, 0]
     scale0 = struct.unpack("<f", bytes(rec[512:516].tolist()))[0]
-    assert scale0 == 2.0 ** -9 == pytest.approx(0.001953, abs=1e-6)
+    assert scale0 == 2.0**-9 == pytest.approx(0.001953, abs=1e-6)
     assert rec[0:1].view(torch.float8_e4m3fn).float().item() == 128.0
     assert rec[127:128].view(torch.float8_e4m3fn).float().item() == 384.0  # 0.75 * 512
     assert dequantize_k_cache(kc)[0, 0, 0, 0].item() == 0.25
@@ -109,7 +112,9 @@ def test_v32_byte_offsets_read_raw():
             nope = torch.frombuffer(bytearray(rec[0:512]), dtype=torch.uint8).view(torch.float8_e4m3fn).float()
             deq = nope * torch.tensor(scales).repeat_interleave(128)
             x = k[bi, ti, 0, :512].float()
-            assert torch.all((deq - x).abs() <= x.abs() * 2.0 ** -4 + torch.tensor(scales).repeat_interleave(128) * 2.0 ** -10)
+            assert torch.all(
+                (deq - x).abs() <= x.abs() * 2.0**-4 + torch.tensor(scales).repeat_interleave(128) * 2.0**-10
+            )
             rope = torch.frombuffer(bytearray(rec[528:656]), dtype=torch.bfloat16)
             assert torch.equal(rope, k[bi, ti, 0, 512:])
 
@@ -145,7 +150,7 @@ def test_model1_layout_read_raw(pbs):
             nope = rec[:448].clone().view(torch.float8_e4m3fn).float()
             deq = nope * scales.repeat_interleave(64)
             s_el = scales.repeat_interleave(64)
-            assert torch.all((deq - x[:448]).abs() <= x[:448].abs() * 2.0 ** -4 + s_el * 2.0 ** -10)
+            assert torch.all((deq - x[:448]).abs() <= x[:448].abs() * 2.0**-4 + s_el * 2.0**-10)
             rope = rec[448:576].clone().view(torch.bfloat16)
             assert torch.equal(rope, k[bi, ti, 0, 448:])
 
@@ -158,7 +163,7 @@ def test_model1_dequantize_matches_manual_decode():
     assert torch.equal(deq[..., 448:], k[..., 448:].float())
     s = ue8m0_scale(k[..., :448].float().reshape(3, 5, 1, 7, 64).abs().amax(-1)).repeat_interleave(64, -1)
     err = (deq[..., :448] - k[..., :448].float()).abs()
-    assert torch.all(err <= k[..., :448].float().abs() * 2.0 ** -4 + s * 2.0 ** -10)
+    assert torch.all(err <= k[..., :448].float().abs() * 2.0**-4 + s * 2.0**-10)
     assert (err > 0).any()  # random data does get rounded
 
 
@@ -196,25 +201,25 @@ def test_error_bound_random_data(layout):
     scale = ue8m0_scale(tiles.abs().amax(-1))
     s_el = scale.repeat_interleave(lay.tile, -1)
     err = (deq[..., : lay.d_nope] - x[..., : lay.d_nope]).abs()
-    bound = x[..., : lay.d_nope].abs() * 2.0 ** -4 + s_el * 2.0 ** -10
+    bound = x[..., : lay.d_nope].abs() * 2.0**-4 + s_el * 2.0**-10
     assert torch.all(err <= bound)
     # the bound is not vacuous: the worst relative error of normal values is close to 2^-4
-    normal = x[..., : lay.d_nope].abs() >= s_el * 2.0 ** -6
+    normal = x[..., : lay.d_nope].abs() >= s_el * 2.0**-6
     rel = (err / x[..., : lay.d_nope].abs().clamp_min(1e-30))[normal]
-    assert 2.0 ** -5 < rel.max().item() <= 2.0 ** -4
+    assert 2.0**-5 < rel.max().item() <= 2.0**-4
     assert torch.equal(deq[..., lay.d_nope :], x[..., lay.d_nope :])
 
 
 def test_fp8_subnormals():
     """e4m3 subnormals m * 2^-9 (m = 1..7) are kept exactly; below half the smallest, values flush to 0."""
     k = torch.zeros(1, 1, 1, 576)
-    k[..., 0] = 448 * 2.0 ** -8  # tile 0 scale 2^-8
-    sc = 2.0 ** -8
+    k[..., 0] = 448 * 2.0**-8  # tile 0 scale 2^-8
+    sc = 2.0**-8
     for m in range(1, 8):
-        k[..., m] = m * 2.0 ** -9 * sc
-        k[..., 10 + m] = -m * 2.0 ** -9 * sc
-    k[..., 20] = 2.0 ** -11 * sc  # a quarter of the smallest subnormal -> 0
-    k[..., 21] = 3 * 2.0 ** -11 * sc  # 0.75 of the smallest subnormal -> rounds up to it
+        k[..., m] = m * 2.0**-9 * sc
+        k[..., 10 + m] = -m * 2.0**-9 * sc
+    k[..., 20] = 2.0**-11 * sc  # a quarter of the smallest subnormal -> 0
+    k[..., 21] = 3 * 2.0**-11 * sc  # 0.75 of the smallest subnormal -> rounds up to it
     g = torch.Generator().manual_seed(9)
     k[..., 512:] = torch.randn(64, generator=g)
     k = k.to(torch.bfloat16)
@@ -226,8 +231,8 @@ def test_fp8_subnormals():
     assert raw[21].item() == 0x01
     deq = dequantize_k_cache(kc, "V32", dtype=torch.float32)[0, 0, 0]
     for m in range(1, 8):
-        assert deq[m].item() == m * 2.0 ** -9 * sc and deq[10 + m].item() == -m * 2.0 ** -9 * sc
-    assert deq[20].item() == 0.0 and deq[21].item() == 2.0 ** -9 * sc
+        assert deq[m].item() == m * 2.0**-9 * sc and deq[10 + m].item() == -m * 2.0**-9 * sc
+    assert deq[20].item() == 0.0 and deq[21].item() == 2.0**-9 * sc
 
 
 def test_saturation_at_448():
@@ -243,7 +248,7 @@ def test_saturation_at_448():
     kc = quantize_k_cache(k, "V32", out_dtype=torch.uint8)
     raw = kc[0, :, 0]
     sc = raw[:, 512:528].contiguous().view(torch.float32)
-    assert sc[0, 0].item() == 2.0 ** -3 and sc[1, 1].item() == 2.0 ** -3 and sc[1, 0].item() == 2.0 ** -2
+    assert sc[0, 0].item() == 2.0**-3 and sc[1, 1].item() == 2.0**-3 and sc[1, 0].item() == 2.0**-2
     assert raw[0, 3].item() == 0x7E and raw[0, 4].item() == 0xFE and raw[1, 130].item() == 0xFE
     nope = raw[:, :512].contiguous().view(torch.float8_e4m3fn).float()
     assert not torch.isnan(nope).any()
@@ -263,11 +268,11 @@ def test_all_zero_tiles(layout):
     k[0, 1, 0, : lay.tile] = 0.0  # token 1: only the first tile zero
     k = k.to(torch.bfloat16)
     kc = quantize_k_cache(k, layout, out_dtype=torch.uint8)
-    assert 2.0 ** math.ceil(math.log2(1e-4)) == 2.0 ** -13
+    assert 2.0 ** math.ceil(math.log2(1e-4)) == 2.0**-13
     if layout == "V32":
         raw = kc[0, :, 0]
         sc = raw[:, 512:528].contiguous().view(torch.float32)
-        assert sc[0].tolist() == [2.0 ** -13] * 4 and sc[1, 0].item() == 2.0 ** -13
+        assert sc[0].tolist() == [2.0**-13] * 4 and sc[1, 0].item() == 2.0**-13
         assert torch.all(raw[0, :512] == 0) and torch.all(raw[1, :128] == 0)
     else:
         flat = raw_storage(kc)
@@ -284,7 +289,7 @@ def test_all_zero_tiles(layout):
 @given(
     st.one_of(
         st.floats(min_value=0.0, max_value=1e6, allow_nan=False, width=32),
-        st.integers(-30, 15).map(lambda e: 448.0 * 2.0 ** e),  # exact powers of two of amax/448
+        st.integers(-30, 15).map(lambda e: 448.0 * 2.0**e),  # exact powers of two of amax/448
     )
 )
 def test_ue8m0_scale_matches_formula(amax):

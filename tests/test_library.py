@@ -5,6 +5,7 @@ On the CPU the ops run the Triton kernels in the interpreter (``TRITON_INTERPRET
 ``uint8`` here: torch's schema checker (part of opcheck) compares mutated/input tensors with
 ``allclose``, which is not implemented for ``float8_e4m3fn`` on the CPU.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,6 +51,7 @@ def test_ops_are_registered():
     for name in lib.OPS:
         ns, op = name.split("::")
         assert hasattr(getattr(torch.ops, ns), op), name
+
     # the mutated arguments are declared (alias annotations "Tensor(aN!)"), nothing else is
     def mutated(op):
         return [a.name for a in op.default._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
@@ -65,13 +67,22 @@ def test_sparse_decode_op(layout, num_sms, extras):
     kw = dict(topk_length=[7, 128], attn_sink=[0.5, -1.0], extra_topk=40, extra_topk_length=[40, 3]) if extras else {}
     p = to_dev(make_problem(b=2, h_q=16, topk=128, layout=layout, num_blocks=3, seed=5, out_dtype=torch.uint8, **kw))
     meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
-    out, lse = lib.sparse_decode(p.q, p.k_cache, p.indices, meta, **{k: v for k, v in p.api_kwargs().items() if k != "indices"})
+    out, lse = lib.sparse_decode(
+        p.q, p.k_cache, p.indices, meta, **{k: v for k, v in p.api_kwargs().items() if k != "indices"}
+    )
     ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512, **p.ref_kwargs())
     check_decode_close(out, lse, ro, rl)
     st = lib.schedule_tensors(meta)
     assert st["any_split"] == (num_sms == 32)  # many partitions for 2 batches: split, combine runs
-    kwargs = dict(**st, sm_scale=get_layout(layout).d_qk ** -0.5, topk_length=p.topk_length, attn_sink=p.attn_sink,
-                  extra_k_cache=p.extra_k_cache, extra_indices=p.extra_indices, extra_topk_length=p.extra_topk_length)
+    kwargs = dict(
+        **st,
+        sm_scale=get_layout(layout).d_qk ** -0.5,
+        topk_length=p.topk_length,
+        attn_sink=p.attn_sink,
+        extra_k_cache=p.extra_k_cache,
+        extra_indices=p.extra_indices,
+        extra_topk_length=p.extra_topk_length,
+    )
     assert_opcheck(torch.ops.sparse_mla.sparse_decode.default, (p.q, p.k_cache, p.indices), kwargs)
 
 
@@ -99,7 +110,9 @@ def test_sparse_decode_op_errors():
     with pytest.raises(ValueError, match="^num_splits"):
         torch.ops.sparse_mla.sparse_decode(p.q, p.k_cache, p.indices, **st, sm_scale=0.1)
     with pytest.raises(TypeError, match="^q"):
-        torch.ops.sparse_mla.sparse_decode(p.q.float(), p.k_cache, p.indices, **lib.schedule_tensors(meta), sm_scale=0.1)
+        torch.ops.sparse_mla.sparse_decode(
+            p.q.float(), p.k_cache, p.indices, **lib.schedule_tensors(meta), sm_scale=0.1
+        )
 
 
 def test_combine_op():
@@ -138,7 +151,9 @@ def test_quantize_and_store_kv_op(layout, pbs):
         kc = torch.randint(0, 256, (nb, pbs, 1, 656), generator=g, dtype=torch.uint8)
     else:
         bb = lay.block_bytes(pbs)
-        kc = torch.randint(0, 256, (nb * bb,), generator=g, dtype=torch.uint8).as_strided((nb, pbs, 1, 584), (bb, 584, 584, 1))
+        kc = torch.randint(0, 256, (nb * bb,), generator=g, dtype=torch.uint8).as_strided(
+            (nb, pbs, 1, 584), (bb, 584, 584, 1)
+        )
     kc = to_device(kc, DEV)
     kv = (torch.randn(5, lay.d_qk, generator=g) * 3).to(torch.bfloat16).to(DEV)
     slots = torch.tensor([3, -1, nb * pbs - 1, 0, 6], device=DEV)
@@ -164,8 +179,11 @@ def test_compiled_serving_step_fullgraph(layout, backend):
     """store + index conversion + decode traced as one graph (no graph break) give the eager result."""
     lay = get_layout(layout)
     pbs = 64
-    p = to_dev(make_problem(b=2, h_q=16, topk=64, layout=layout, num_blocks=3, page_block_size=pbs, seed=21,
-                            out_dtype=torch.uint8))
+    p = to_dev(
+        make_problem(
+            b=2, h_q=16, topk=64, layout=layout, num_blocks=3, page_block_size=pbs, seed=21, out_dtype=torch.uint8
+        )
+    )
     g = torch.Generator().manual_seed(22)
     table = torch.tensor([[2, 0], [1, -1]], dtype=torch.int32)
     pos = torch.randint(0, 100, (2, 1, 64), generator=g, dtype=torch.int32)
@@ -180,7 +198,7 @@ def test_compiled_serving_step_fullgraph(layout, backend):
     def step(kv, slots, k_cache, pos, table, q):
         torch.ops.sparse_mla.quantize_and_store_kv(kv, slots, k_cache)
         idx = torch.ops.sparse_mla.abs_indices_to_kvcache_indices(pos, table, pbs)
-        return torch.ops.sparse_mla.sparse_decode(q, k_cache, idx, **st, sm_scale=lay.d_qk ** -0.5)
+        return torch.ops.sparse_mla.sparse_decode(q, k_cache, idx, **st, sm_scale=lay.d_qk**-0.5)
 
     def fresh_cache():
         flat = storage_bytes(p.k_cache).clone()
@@ -221,14 +239,22 @@ def test_forged_schedule_is_rejected_or_bounded(case):
     lib.sparse_decode(p.q, p.k_cache, p.indices, meta)
     st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in lib.schedule_tensors(meta).items()}
     rows = 2 + st["tile_scheduler_metadata"].shape[0]
-    legit = bound_schedule_tensors(st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows)
-    for t, u in zip(legit, (st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"])):
+    legit = bound_schedule_tensors(
+        st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows
+    )
+    for t, u in zip(
+        legit, (st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"]), strict=True
+    ):
         assert torch.equal(t, u)  # the scheduler's own tensors pass unchanged
     FORGED[case](st)
     if p.q.device.type == "cpu":
-        with pytest.raises(ValueError, match="^(tile_scheduler_metadata|num_splits|main_blocks|num_blocks): values out of range"):
+        with pytest.raises(
+            ValueError, match="^(tile_scheduler_metadata|num_splits|main_blocks|num_blocks): values out of range"
+        ):
             torch.ops.sparse_mla.sparse_decode(p.q, p.k_cache, p.indices, **st, sm_scale=0.1)
-    md, ns, mb, nb = bound_schedule_tensors(st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows)
+    md, ns, mb, nb = bound_schedule_tensors(
+        st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows
+    )
     assert int(md[:, 0].min()) >= 0 and int(md[:, 1].max()) <= 1 and int(md[:, 3].max()) <= 4
     assert int(ns.min()) >= 0 and int(ns.max()) <= rows - 1 and bool((ns[1:] >= ns[:-1]).all()) and int(ns[0]) == 0
     # the kernels run on the bounded tensors without touching memory outside their buffers

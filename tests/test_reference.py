@@ -1,13 +1,14 @@
 """The fp32 reference (src/sparse_mla/reference.py): direct path vs an independent naive loop,
 split-KV path vs direct path, combine arithmetic and the seed's numeric examples."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-
 from helpers import make_problem, random_indices
+
 from sparse_mla.formats import MODEL1, dequantize_k_cache, get_layout
 from sparse_mla.reference import (
     LOG2E,
@@ -24,16 +25,31 @@ INF = float("inf")
 # ------------------------------------------------------------------ an independent oracle
 
 
-def naive_decode(q, k_cache, indices, layout, sm_scale=None, topk_length=None, attn_sink=None,
-                 extra_k_cache=None, extra_indices=None, extra_topk_length=None, d_v=512):
+def naive_decode(
+    q,
+    k_cache,
+    indices,
+    layout,
+    sm_scale=None,
+    topk_length=None,
+    attn_sink=None,
+    extra_k_cache=None,
+    extra_indices=None,
+    extra_topk_length=None,
+    d_v=512,
+):
     """Per-query, per-head Python loop in float64 on ``dequantize_k_cache`` output."""
     lay = get_layout(layout)
     b, s_q, h_q, d_qk = q.shape
-    scale = d_qk ** -0.5 if sm_scale is None else sm_scale
+    scale = d_qk**-0.5 if sm_scale is None else sm_scale
     caches = [(dequantize_k_cache(k_cache, lay, torch.float32).view(-1, d_qk).double(), indices, topk_length)]
     if extra_k_cache is not None:
         caches.append(
-            (dequantize_k_cache(extra_k_cache, lay, torch.float32).view(-1, d_qk).double(), extra_indices, extra_topk_length)
+            (
+                dequantize_k_cache(extra_k_cache, lay, torch.float32).view(-1, d_qk).double(),
+                extra_indices,
+                extra_topk_length,
+            )
         )
     out = torch.zeros(b, s_q, h_q, d_v, dtype=torch.float64)
     lse = torch.zeros(b, h_q, s_q, dtype=torch.float64)
@@ -94,12 +110,22 @@ CONFIGS = {
     "v32_h16": dict(b=2, s_q=1, h_q=16, topk=200, layout="V32"),
     "model1_h64_sq2": dict(b=2, s_q=2, h_q=64, topk=130, layout="MODEL1"),
     "v32_h1_topk_length": dict(b=3, s_q=1, h_q=1, topk=200, layout="V32", topk_length=[0, 70, 200]),
-    "v32_extra": dict(b=3, s_q=2, h_q=16, topk=96, layout="V32", topk_length=[0, 0, 50], extra_topk=100,
-                      extra_topk_length=[0, 5, 100]),
+    "v32_extra": dict(
+        b=3, s_q=2, h_q=16, topk=96, layout="V32", topk_length=[0, 0, 50], extra_topk=100, extra_topk_length=[0, 5, 100]
+    ),
     "model1_extra_no_len": dict(b=2, s_q=1, h_q=16, topk=64, layout="MODEL1", extra_topk=70),
     "v32_sink": dict(b=2, s_q=2, h_q=16, topk=150, layout="V32", attn_sink=[INF, -INF, 0.5, -3.0, 8.0]),
-    "model1_sink_extra_len": dict(b=2, s_q=2, h_q=1, topk=80, layout="MODEL1", topk_length=[10, 0],
-                                  extra_topk=40, extra_topk_length=[40, 0], attn_sink=[1.5]),
+    "model1_sink_extra_len": dict(
+        b=2,
+        s_q=2,
+        h_q=1,
+        topk=80,
+        layout="MODEL1",
+        topk_length=[10, 0],
+        extra_topk=40,
+        extra_topk_length=[40, 0],
+        attn_sink=[1.5],
+    ),
 }
 
 
@@ -148,8 +174,9 @@ def test_split_path_matches_direct(name, num_sm_parts):
 @pytest.mark.parametrize("layout", ["V32", "MODEL1"])
 def test_lonely_queries(layout):
     """No valid key: out = 0, lse = +inf (also with a sink, and when split)."""
-    p = make_problem(b=3, s_q=2, h_q=16, topk=130, layout=layout, seed=8, topk_length=[130, 130, 0],
-                     attn_sink=[0.0, INF, -INF, -1.0])
+    p = make_problem(
+        b=3, s_q=2, h_q=16, topk=130, layout=layout, seed=8, topk_length=[130, 130, 0], attn_sink=[0.0, INF, -INF, -1.0]
+    )
     p.indices[0, 1] = -1  # batch 0, query 1: every index -1
     p.indices[1, 0] = p.k_cache.shape[0] * p.k_cache.shape[1] + 3  # batch 1, query 0: all out of range
     for out, lse in (
@@ -212,8 +239,18 @@ def _poison_unindexed(kc: torch.Tensor, layout: str, exclude: torch.Tensor) -> t
 
 @pytest.mark.parametrize("layout", ["V32", "MODEL1"])
 def test_nan_in_unindexed_slots_never_leaks(layout):
-    p = make_problem(b=2, s_q=2, h_q=16, topk=100, layout=layout, num_blocks=4, page_block_size=64, seed=10,
-                     topk_length=[100, 37], attn_sink=[0.3])
+    p = make_problem(
+        b=2,
+        s_q=2,
+        h_q=16,
+        topk=100,
+        layout=layout,
+        num_blocks=4,
+        page_block_size=64,
+        seed=10,
+        topk_length=[100, 37],
+        attn_sink=[0.3],
+    )
     n_tok = 4 * 64
     g = torch.Generator().manual_seed(11)
     exclude = torch.rand(n_tok, generator=g) < 0.4
@@ -221,7 +258,7 @@ def test_nan_in_unindexed_slots_never_leaks(layout):
     p.indices = random_indices(2, 2, 100, n_tok, seed=12, invalid_frac=0.15, exclude=exclude)
     # positions past topk_length may point at poisoned slots: they must be ignored too
     poisoned_ids = exclude.nonzero().flatten()
-    p.indices[1, :, 37:] = poisoned_ids[: 63].to(torch.int32)
+    p.indices[1, :, 37:] = poisoned_ids[:63].to(torch.int32)
     clean_out, clean_lse = sparse_decode_reference(p.q, p.k_cache, p.indices, **p.ref_kwargs())
     clean_split = split_path(p, 30)[:2]
     p.k_cache = _poison_unindexed(p.k_cache, layout, exclude)
@@ -259,7 +296,7 @@ def test_seed_combine_example():
     out = torch.zeros(1, 1, 1, 512)
     lse = torch.zeros(1, 1, 1)
     combine_reference(o_acc, l_acc, torch.tensor([0, 3], dtype=torch.int32), out, lse)
-    wt = torch.tensor([1.0, 2 ** -0.4, 2 ** -2.1])
+    wt = torch.tensor([1.0, 2**-0.4, 2**-2.1])
     expect = (wt.view(3, 1) * o_acc.view(3, 512)).sum(0) / wt.sum()
     torch.testing.assert_close(out.view(512), expect, rtol=1e-6, atol=1e-6)
     assert lse.item() == pytest.approx((4.2 + math.log2(wt.sum().item())) / LOG2E, rel=1e-6)
@@ -279,8 +316,9 @@ def test_combine_reference_lonely_and_single_split():
     l_acc = torch.full((3, 1, 2), -INF)
     out = torch.full((2, 1, 2, 512), 7.0)
     lse = torch.full((2, 2, 1), 7.0)
-    combine_reference(o_acc, l_acc, torch.tensor([0, 1, 3], dtype=torch.int32), out, lse,
-                      attn_sink=torch.tensor([INF, 0.0]))
+    combine_reference(
+        o_acc, l_acc, torch.tensor([0, 1, 3], dtype=torch.int32), out, lse, attn_sink=torch.tensor([INF, 0.0])
+    )
     assert torch.all(out[0] == 7.0) and torch.all(lse[0] == 7.0)  # one split: untouched
     assert torch.all(out[1] == 0.0) and torch.all(torch.isposinf(lse[1]))
 
@@ -301,8 +339,7 @@ def test_seed_no_split_lse_and_sink_example():
     l_acc = torch.full((2, 1, 1), l2)
     out = torch.zeros(1, 1, 1, 512)
     lse = torch.zeros(1, 1, 1)
-    combine_reference(o_acc, l_acc, torch.tensor([0, 2], dtype=torch.int32), out, lse,
-                      attn_sink=torch.tensor([-2.5]))
+    combine_reference(o_acc, l_acc, torch.tensor([0, 2], dtype=torch.int32), out, lse, attn_sink=torch.tensor([-2.5]))
     assert lse.item() == pytest.approx(lse_nat, rel=1e-6)
     assert lse.item() == pytest.approx(4.538, abs=1e-3)
     torch.testing.assert_close(out, torch.full_like(out, L * o_scale), rtol=1e-6, atol=0)

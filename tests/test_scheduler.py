@@ -1,4 +1,5 @@
 """Tile scheduler (src/sparse_mla/scheduler.py; DESIGN §5, seed step 3)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -19,8 +20,14 @@ from sparse_mla.scheduler import (
 
 def row(begin_req, end_req, begin_block, end_block, begin_split, first, last):
     return dict(
-        begin_req=begin_req, end_req=end_req, begin_block=begin_block, end_block=end_block,
-        begin_split=begin_split, is_first_req_splitted=first, is_last_req_splitted=last, pad=0,
+        begin_req=begin_req,
+        end_req=end_req,
+        begin_block=begin_block,
+        end_block=end_block,
+        begin_split=begin_split,
+        is_first_req_splitted=first,
+        is_last_req_splitted=last,
+        pad=0,
     )
 
 

@@ -6,6 +6,7 @@ positions of the request's own blocks, blocks are allocated as contexts grow, an
 every byte of the cache outside the appended slots is what the prefill left there. The command
 line: usage errors exit 2 with one line and no traceback, before anything runs.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,18 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("layout,cache_dtype", [("V32", "fp8"), ("MODEL1", "uint8")])
 def test_steps_match_references(layout, cache_dtype):
     # short contexts (some below topk, padded with -1) crossing page blocks of 4 during the steps
-    cfg = ServeSimConfig(batch=3, topk=64, max_context=60, min_context=5, steps=5, page_block_size=4,
-                         h_q=16, layout=layout, cache_dtype=cache_dtype, seed=3)
+    cfg = ServeSimConfig(
+        batch=3,
+        topk=64,
+        max_context=60,
+        min_context=5,
+        steps=5,
+        page_block_size=4,
+        h_q=16,
+        layout=layout,
+        cache_dtype=cache_dtype,
+        seed=3,
+    )
     sim = ServeSim(cfg, DEV)
     sim.prefill()
     after_prefill = storage_bytes(sim.k_cache).cpu().clone()
@@ -104,15 +115,32 @@ def _serve_sim(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, COLUMNS="150", NO_COLOR="1")
     env.pop("TRITON_INTERPRET", None)  # the CLI sets it itself on the CPU
     return subprocess.run(
-        [sys.executable, "-m", "sparse_mla", "serve-sim", *args], capture_output=True, text=True, env=env,
+        [sys.executable, "-m", "sparse_mla", "serve-sim", *args],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=timeout,
     )
 
 
 def test_cli_serve_sim(tmp_path):
     out = tmp_path / "res.json"
-    r = _serve_sim("--device", "cpu", "--steps", "2", "--batch", "2", "--max-context", "128", "--topk", "64",
-                   "--layout", "MODEL1", "--json", str(out))
+    r = _serve_sim(
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--max-context",
+        "128",
+        "--topk",
+        "64",
+        "--layout",
+        "MODEL1",
+        "--json",
+        str(out),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     for fact in ("tokens/s", "p50", "p90", "p99", "PASS", "Triton interpreter", "2/2"):
         assert fact in r.stdout, fact
@@ -138,24 +166,42 @@ def test_config_errors():
 def test_cli_no_numpy_warnings_for_blocks_without_valid_keys():
     """topk 256 over contexts of 8..128 tokens: whole 64-index blocks of -1, which Triton's interpreter
     evaluates through NumPy (-inf - -inf); its RuntimeWarnings must not reach the user."""
-    r = _serve_sim("--device", "cpu", "--steps", "1", "--batch", "2", "--max-context", "128", "--min-context", "8",
-                   "--topk", "256", "--h-q", "16", "--no-progress")
+    r = _serve_sim(
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--batch",
+        "2",
+        "--max-context",
+        "128",
+        "--min-context",
+        "8",
+        "--topk",
+        "256",
+        "--h-q",
+        "16",
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout
     assert "Warning" not in r.stderr and "Warning" not in r.stdout, r.stderr
 
 
-@pytest.mark.parametrize("args,option", [
-    (["--batch", "0"], "--batch"),
-    (["--topk", "-5"], "--topk"),
-    (["--h-q", "300"], "--h-q"),
-    (["--steps", "0"], "--steps"),
-    (["--max-context", "40", "--min-context", "38"], "--max-context"),
-    (["--min-context", "0"], "--min-context"),
-    (["--page-block-size", "0"], "--page-block-size"),
-    (["--num-sms", "0"], "--num-sms"),
-    (["--seed", "-1"], "--seed"),
-])
+@pytest.mark.parametrize(
+    "args,option",
+    [
+        (["--batch", "0"], "--batch"),
+        (["--topk", "-5"], "--topk"),
+        (["--h-q", "300"], "--h-q"),
+        (["--steps", "0"], "--steps"),
+        (["--max-context", "40", "--min-context", "38"], "--max-context"),
+        (["--min-context", "0"], "--min-context"),
+        (["--page-block-size", "0"], "--page-block-size"),
+        (["--num-sms", "0"], "--num-sms"),
+        (["--seed", "-1"], "--seed"),
+    ],
+)
 def test_cli_usage_errors_exit_2_in_one_line(monkeypatch, capsys, args, option):
     from sparse_mla.tools import cli
 
@@ -179,8 +225,11 @@ def test_cli_argparse_errors_exit_2():
 @pytest.mark.parametrize("where", ["missing_dir", "under_a_file", "a_directory"])
 def test_cli_unwritable_json_fails_before_the_simulation(tmp_path, where):
     (tmp_path / "f").write_text("x")
-    path = {"missing_dir": tmp_path / "no" / "res.json", "under_a_file": tmp_path / "f" / "res.json",
-            "a_directory": tmp_path}[where]
+    path = {
+        "missing_dir": tmp_path / "no" / "res.json",
+        "under_a_file": tmp_path / "f" / "res.json",
+        "a_directory": tmp_path,
+    }[where]
     r = _serve_sim("--device", "cpu", "--no-progress", "--json", str(path), timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stderr

@@ -5,6 +5,7 @@ index conversion at DeepSeek-V3.2 shapes, no host synchronisation (``torch.cuda`
 mode), ``torch.library.opcheck`` on CUDA tensors, ``torch.compile`` and CUDA-graph capture of a
 whole step through the registered ops, and the ``serve-sim`` loop at V3.2 size.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,12 @@ from helpers import check_decode_close
 
 import sparse_mla as flash_mla
 import sparse_mla.library as lib
-from sparse_mla import abs_indices_to_kvcache_indices, abs_indices_to_kvcache_indices_triton, get_layout, quantize_and_store_kv
+from sparse_mla import (
+    abs_indices_to_kvcache_indices,
+    abs_indices_to_kvcache_indices_triton,
+    get_layout,
+    quantize_and_store_kv,
+)
 from sparse_mla.reference import quantize_and_store_kv_reference, sparse_decode_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -149,14 +155,22 @@ def _uint8_problem(b, h_q, topk, layout, seed):
 @pytest.mark.parametrize("layout", ["V32", "MODEL1"])
 def test_opcheck_on_cuda(layout):
     lay = get_layout(layout)
-    ok = {"test_schema": "SUCCESS", "test_autograd_registration": "SUCCESS", "test_faketensor": "SUCCESS",
-          "test_aot_dispatch_dynamic": "SUCCESS"}
+    ok = {
+        "test_schema": "SUCCESS",
+        "test_autograd_registration": "SUCCESS",
+        "test_faketensor": "SUCCESS",
+        "test_aot_dispatch_dynamic": "SUCCESS",
+    }
     q, kc, idx = _uint8_problem(4, 64, 512, layout, seed=7)
     meta, _ = flash_mla.get_mla_metadata()
     lib.sparse_decode(q, kc, idx, meta)
     st = lib.schedule_tensors(meta)
-    assert torch.library.opcheck(torch.ops.sparse_mla.sparse_decode.default, (q, kc, idx),
-                                 dict(**st, sm_scale=lay.d_qk ** -0.5)) == ok
+    assert (
+        torch.library.opcheck(
+            torch.ops.sparse_mla.sparse_decode.default, (q, kc, idx), dict(**st, sm_scale=lay.d_qk**-0.5)
+        )
+        == ok
+    )
     kv = random_tokens(16, lay.d_qk, seed=8)
     slots = torch.randperm(kc.shape[0] * kc.shape[1], device=DEV)[:16]
     assert torch.library.opcheck(torch.ops.sparse_mla.quantize_and_store_kv.default, (kv, slots, kc)) == ok
@@ -176,7 +190,7 @@ def _step_fn(pbs, st, d_qk):
     def step(kv, slots, k_cache, pos, table, q):
         torch.ops.sparse_mla.quantize_and_store_kv(kv, slots, k_cache)
         idx = torch.ops.sparse_mla.abs_indices_to_kvcache_indices(pos, table, pbs)
-        out, lse = torch.ops.sparse_mla.sparse_decode(q, k_cache, idx, **st, sm_scale=d_qk ** -0.5)
+        out, lse = torch.ops.sparse_mla.sparse_decode(q, k_cache, idx, **st, sm_scale=d_qk**-0.5)
         return out, lse, idx
 
     return step
@@ -257,8 +271,9 @@ def test_torch_compile_step_on_cuda():
 def test_serve_sim_v32_size(layout, b, max_context, steps):
     from sparse_mla.tools.serve_sim import ServeSim, ServeSimConfig
 
-    cfg = ServeSimConfig(batch=b, topk=2048, max_context=max_context, steps=steps, h_q=128, page_block_size=64,
-                         layout=layout, seed=11)
+    cfg = ServeSimConfig(
+        batch=b, topk=2048, max_context=max_context, steps=steps, h_q=128, page_block_size=64, layout=layout, seed=11
+    )
     res = ServeSim(cfg, DEV).run(progress=False)
     assert res["graph"] is True
     assert res["check"]["ok"], res["check"]

@@ -6,6 +6,7 @@ random distinct slots, and compares the *whole storage* with the expected bytes 
 them by DESIGN §4's offsets), so untouched slots, MODEL1 padding and neighbouring layers of a pool
 are checked too. On the CPU the Triton kernel runs in the interpreter (``TRITON_INTERPRET=1``).
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,8 @@ import torch
 from cache_bytes import expected_after_store, quantized_token_bytes, storage_bytes, to_device
 
 from sparse_mla import get_layout, quantize_and_store_kv, quantize_k_cache
-from sparse_mla.serving.store import launch as launch_store_kernel
 from sparse_mla.reference import quantize_and_store_kv_reference
+from sparse_mla.serving.store import launch as launch_store_kernel
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1",
@@ -69,9 +70,9 @@ def distinct_slots(n: int, n_slots: int, seed: int, skip_frac: float = 0.2) -> t
 CASES = [
     # layout, page_block_size, num_blocks, cache dtype, pool layers, block_t
     ("V32", 5, 4, torch.float8_e4m3fn, 1, 1),
-    ("V32", 3, 5, torch.uint8, 3, 4),       # layer 1 of a token-interleaved pool
+    ("V32", 3, 5, torch.uint8, 3, 4),  # layer 1 of a token-interleaved pool
     ("MODEL1", 3, 5, torch.float8_e4m3fn, 1, 2),
-    ("MODEL1", 7, 3, torch.uint8, 2, 1),    # block-interleaved pool, odd page size
+    ("MODEL1", 7, 3, torch.uint8, 2, 1),  # block-interleaved pool, odd page size
 ]
 
 
@@ -123,23 +124,35 @@ def _corner_tokens(d_qk: int, tile: int) -> torch.Tensor:
         return t
 
     pieces = [
-        torch.zeros(tile),                                   # all zero: scale 2^-13 (the 1e-4 floor)
-        -torch.zeros(tile),                                  # negative zeros
-        tile_with(448.0),                                    # scale exactly 1
-        tile_with(448.0 * 2.0 ** 5),                         # amax = 448 * 2^j: scale 2^j, not 2^(j+1)
-        tile_with(448.0 * 2.0 ** -7),
-        tile_with(float(torch.tensor(448.0 * 2.0 ** 3).bfloat16().float()) * (1 + 2 ** -7)),  # next bf16 above
-        tile_with(448.0 * 1e-4),                             # amax / 448 = 1e-4: at the floor
-        tile_with(448.0 * 0.9e-4),                           # below the floor
-        tile_with(1e-30),                                    # tiny: everything rounds into e4m3 subnormals / 0
-        tile_with(2.0 ** -120),
-        tile_with(0.75),                                     # the seed's example: scale 2^-9
-        tile_with(3.0e38 / 2),                               # huge but finite
-        tile_with(1.0, "zero"),                              # one value, rest zero
+        torch.zeros(tile),  # all zero: scale 2^-13 (the 1e-4 floor)
+        -torch.zeros(tile),  # negative zeros
+        tile_with(448.0),  # scale exactly 1
+        tile_with(448.0 * 2.0**5),  # amax = 448 * 2^j: scale 2^j, not 2^(j+1)
+        tile_with(448.0 * 2.0**-7),
+        tile_with(float(torch.tensor(448.0 * 2.0**3).bfloat16().float()) * (1 + 2**-7)),  # next bf16 above
+        tile_with(448.0 * 1e-4),  # amax / 448 = 1e-4: at the floor
+        tile_with(448.0 * 0.9e-4),  # below the floor
+        tile_with(1e-30),  # tiny: everything rounds into e4m3 subnormals / 0
+        tile_with(2.0**-120),
+        tile_with(0.75),  # the seed's example: scale 2^-9
+        tile_with(3.0e38 / 2),  # huge but finite
+        tile_with(1.0, "zero"),  # one value, rest zero
     ]
     # values that fall exactly between two e4m3 numbers after scaling (ties to even)
-    ties = torch.tensor([448.0, 1.0625, 1.1875, 2.0 ** -7 * 1.0625, 2.0 ** -9 * 0.5, 2.0 ** -9 * 1.5, 2.0 ** -9 * 2.5,
-                         2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -6 * (1 - 2 ** -5)])
+    ties = torch.tensor(
+        [
+            448.0,
+            1.0625,
+            1.1875,
+            2.0**-7 * 1.0625,
+            2.0**-9 * 0.5,
+            2.0**-9 * 1.5,
+            2.0**-9 * 2.5,
+            2.0**-10,
+            3 * 2.0**-10,
+            2.0**-6 * (1 - 2**-5),
+        ]
+    )
     t = torch.zeros(tile)
     t[: ties.numel()] = ties
     t[ties.numel() : 2 * ties.numel()] = -ties
@@ -169,9 +182,9 @@ def test_store_corner_tiles(layout):
     tb = quantized_token_bytes(kv)
     if layout == "V32":
         scales = tb[:, 512:528].contiguous().view(torch.float32)
-        assert scales[0].tolist() == [2.0 ** -13, 2.0 ** -13, 1.0, 2.0 ** 5]
-        assert scales[1].tolist() == [2.0 ** -7, 2.0 ** 4, 2.0 ** -13, 2.0 ** -13]
-        assert scales[2, 2] == 2.0 ** -9  # amax 0.75 -> 2^-9 (the seed's example)
+        assert scales[0].tolist() == [2.0**-13, 2.0**-13, 1.0, 2.0**5]
+        assert scales[1].tolist() == [2.0**-7, 2.0**4, 2.0**-13, 2.0**-13]
+        assert scales[2, 2] == 2.0**-9  # amax 0.75 -> 2^-9 (the seed's example)
         assert torch.all(tb[0, 128:256] == 0x80)  # -0.0 keeps its sign
     else:
         assert tb[0, 576:584].tolist() == [127 - 13, 127 - 13, 127, 127 + 5, 127 - 7, 127 + 4, 127 - 13, 0]
@@ -203,7 +216,9 @@ def test_store_exhaustive_e4m3_rounding():
 def test_store_nothing_to_do_and_all_skipped():
     kc = random_cache("V32", 2, 4, torch.uint8, 2)
     before = sb(kc).clone()
-    quantize_and_store_kv(torch.zeros(0, 576, dtype=torch.bfloat16, device=DEV), torch.zeros(0, dtype=torch.int64, device=DEV), kc)
+    quantize_and_store_kv(
+        torch.zeros(0, 576, dtype=torch.bfloat16, device=DEV), torch.zeros(0, dtype=torch.int64, device=DEV), kc
+    )
     quantize_and_store_kv(random_tokens(3, 576, 1), torch.full((3,), -1, dtype=torch.int64, device=DEV), kc)
     assert torch.equal(sb(kc), before)
 
@@ -231,18 +246,21 @@ def test_store_rejects_bad_arguments():
     cases = [
         (TypeError, "kv", dict(kv=kv.float())),
         (TypeError, "kv", dict(kv=kv.tolist())),
-        (ValueError, "kv", dict(kv=random_tokens(2, 512, 4))),        # d_qk of MODEL1 into a V32 cache
+        (ValueError, "kv", dict(kv=random_tokens(2, 512, 4))),  # d_qk of MODEL1 into a V32 cache
         (ValueError, "kv", dict(kv=kv[:, None])),
         (ValueError, "kv", dict(kv=random_tokens(2, 1152, 4)[:, ::2])),  # last dim not contiguous
         (TypeError, "slot_mapping", dict(slot_mapping=slots.float())),
         (ValueError, "slot_mapping", dict(slot_mapping=slots[:1])),
-        (ValueError, "slot_mapping", dict(slot_mapping=torch.tensor([0, 8]))),   # 8 = num_slots
+        (ValueError, "slot_mapping", dict(slot_mapping=torch.tensor([0, 8]))),  # 8 = num_slots
         (ValueError, "slot_mapping", dict(slot_mapping=torch.tensor([-2, 1]))),
         (TypeError, "k_cache", dict(k_cache=torch.zeros(2, 4, 1, 656, dtype=torch.bfloat16))),
         (ValueError, "k_cache", dict(k_cache=torch.zeros(2, 4, 1, 600, dtype=torch.uint8))),
         (ValueError, "k_cache", dict(k_cache=torch.zeros(2, 4, 1, 657, dtype=torch.uint8)[..., 1:])),  # misaligned
-        (ValueError, "k_cache", dict(k_cache=torch.zeros(2 * 1752, dtype=torch.uint8).as_strided(
-            (2, 3, 1, 584), (1744, 584, 584, 1)))),  # MODEL1 block stride below the 3 * 584 bytes used
+        (
+            ValueError,
+            "k_cache",
+            dict(k_cache=torch.zeros(2 * 1752, dtype=torch.uint8).as_strided((2, 3, 1, 584), (1744, 584, 584, 1))),
+        ),  # MODEL1 block stride below the 3 * 584 bytes used
         (ValueError, "layout", dict(layout="MODEL1")),
         (ValueError, "block_t", dict(block_t=3)),
     ]

@@ -12,6 +12,7 @@ Layout (docs/architecture.md): :mod:`.api` → :mod:`.problem` → :mod:`.plan` 
 (dispatcher, kernels, twins); :mod:`.formats` (cache layouts); :mod:`.serving` (cache writes,
 index conversion, custom ops); :mod:`.tools` (CLI); :mod:`.testing` (tolerances and checks).
 """
+
 from . import serving as _serving  # noqa: F401  (registers torch.ops.sparse_mla.*)
 from .api import FlashMLASchedMeta, flash_mla_with_kvcache, get_mla_metadata
 from .formats import MODEL1, V32, KVCacheLayout, dequantize_k_cache, get_layout, quantize_k_cache

@@ -1,4 +1,5 @@
 """``python -m sparse_mla demo``: the same command line as ``sparse-mla``."""
+
 import sys
 
 from .tools.cli import main

@@ -11,9 +11,8 @@ The call flows API → :mod:`~sparse_mla.problem` (validated, frozen) → :mod:`
 (backend + schedule, kept in ``sched_meta``) → :mod:`~sparse_mla.decode` (kernel launch,
 combine) → ``(out, lse)``.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -27,20 +26,20 @@ __all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache"]
 def flash_mla_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    block_table: Optional[torch.Tensor],
-    cache_seqlens: Optional[torch.Tensor],
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
     head_dim_v: int,
     tile_scheduler_metadata: FlashMLASchedMeta,
     num_splits: None = None,
-    softmax_scale: Optional[float] = None,
+    softmax_scale: float | None = None,
     causal: bool = False,
     is_fp8_kvcache: bool = False,
-    indices: Optional[torch.Tensor] = None,
-    attn_sink: Optional[torch.Tensor] = None,
-    extra_k_cache: Optional[torch.Tensor] = None,
-    extra_indices_in_kvcache: Optional[torch.Tensor] = None,
-    topk_length: Optional[torch.Tensor] = None,
-    extra_topk_length: Optional[torch.Tensor] = None,
+    indices: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices_in_kvcache: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
     *,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,9 +84,10 @@ def flash_mla_with_kvcache(
     A NaN ``attn_sink[h]`` makes head h's ``out`` NaN (lse unchanged); the lonely-query rule
     (out 0, lse +inf) holds whatever the sink.
 
-    Under ``torch.compile`` the call goes through the custom op ``torch.ops.sparse_mla.sparse_decode``
-    (no graph break); fill the scheduler object with one eager call first (its first call reads
-    ``topk_length`` on the host).
+    Under ``torch.compile`` the call goes straight to the custom op ``torch.ops.sparse_mla.sparse_decode``
+    (no graph break), which validates the arguments when it runs; fill the scheduler object with
+    one eager call first (its first call reads ``topk_length`` on the host), and the compiled calls
+    use the backend and schedule of that fill.
 
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape or device, or a
@@ -105,17 +105,38 @@ def flash_mla_with_kvcache(
         raise NotImplementedError(
             "dense decode (indices=None) is planned but not implemented yet; pass indices for the sparse path"
         )
+    if torch.compiler.is_compiling():
+        from .serving.ops import traced_sparse_decode
+
+        if head_dim_v != 512 or not is_fp8_kvcache or causal:
+            raise ValueError("head_dim_v / is_fp8_kvcache / causal: the sparse decode needs 512 / True / False")
+        return traced_sparse_decode(
+            q,
+            k_cache,
+            indices,
+            tile_scheduler_metadata,
+            softmax_scale,
+            topk_length,
+            attn_sink,
+            extra_k_cache,
+            extra_indices_in_kvcache,
+            extra_topk_length,
+        )
     p = validate_sparse_decode(
-        q=q, k_cache=k_cache, indices=indices, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
-        is_fp8_kvcache=is_fp8_kvcache, causal=causal, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
-        extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
+        q=q,
+        k_cache=k_cache,
+        indices=indices,
+        head_dim_v=head_dim_v,
+        softmax_scale=softmax_scale,
+        is_fp8_kvcache=is_fp8_kvcache,
+        causal=causal,
+        attn_sink=attn_sink,
+        extra_k_cache=extra_k_cache,
+        extra_indices_in_kvcache=extra_indices_in_kvcache,
+        topk_length=topk_length,
         extra_topk_length=extra_topk_length,
     )
     if is_empty(p):
         return empty_outputs(p)
     plan = ensure_plan(tile_scheduler_metadata, p, backend)
-    if torch.compiler.is_compiling():
-        from .serving.ops import call_sparse_decode_op
-
-        return call_sparse_decode_op(p, plan)
     return run_decode(p, plan.backend, plan.table)

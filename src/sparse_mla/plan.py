@@ -6,10 +6,11 @@ first call of a decode step, which reads ``topk_length`` on the host once, and r
 calls with the same :class:`ScheduleConfig`; those calls do no host synchronisation (CUDA-graph
 safe).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -50,10 +51,11 @@ class ScheduleConfig:
     device: str
     backend: str  # as requested ("auto" or a name)
 
-    def differences(self, other: "ScheduleConfig") -> str:
+    def differences(self, other: ScheduleConfig) -> str:
         return ", ".join(
             f"{f.name} {getattr(self, f.name)!r} -> {getattr(other, f.name)!r}"
-            for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
         )
 
 
@@ -81,33 +83,33 @@ class FlashMLASchedMeta:
         plan: the :class:`DecodePlan` (backend + schedule on the device).
     """
 
-    num_sms: Optional[int] = None
+    num_sms: int | None = None
     have_initialized: bool = False
-    config: Optional[ScheduleConfig] = None
-    plan: Optional[DecodePlan] = None
+    config: ScheduleConfig | None = None
+    plan: DecodePlan | None = None
 
     @property
-    def table(self) -> Optional[ScheduleTable]:
+    def table(self) -> ScheduleTable | None:
         """The :class:`~sparse_mla.scheduler.ScheduleTable` on the device, or None before use."""
         return None if self.plan is None else self.plan.table
 
     @property
-    def backend(self) -> Optional[str]:
+    def backend(self) -> str | None:
         """Name of the backend that runs this step (``"hopper"``, ``"portable"``, ``"reference"``)."""
         return None if self.plan is None else self.plan.backend.name
 
     @property
-    def tile_scheduler_metadata(self) -> Optional[torch.Tensor]:
+    def tile_scheduler_metadata(self) -> torch.Tensor | None:
         """``[num_sm_parts, 8]`` int32 (see :mod:`sparse_mla.scheduler`), or None before use."""
         return None if self.table is None else self.table.metadata
 
     @property
-    def num_splits(self) -> Optional[torch.Tensor]:
+    def num_splits(self) -> torch.Tensor | None:
         """``[b + 1]`` int32 prefix sums of splits per batch, or None before use."""
         return None if self.table is None else self.table.num_splits
 
 
-def get_mla_metadata(*args: Any, num_sms: Optional[int] = None, **kwargs: Any) -> tuple[FlashMLASchedMeta, None]:
+def get_mla_metadata(*args: Any, num_sms: int | None = None, **kwargs: Any) -> tuple[FlashMLASchedMeta, None]:
     """Return an empty scheduler object, filled on first use: ``(sched_meta, None)``.
 
     Positional and other keyword arguments are accepted and ignored, as in FlashMLA 1.0.
@@ -118,7 +120,9 @@ def get_mla_metadata(*args: Any, num_sms: Optional[int] = None, **kwargs: Any) -
     Raises:
         ValueError: ``num_sms`` is not an int in [1, 1024].
     """
-    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 0 < num_sms <= MAX_NUM_SMS):
+    if num_sms is not None and (
+        isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 0 < num_sms <= MAX_NUM_SMS
+    ):
         raise ValueError(f"num_sms: expected an int in [1, {MAX_NUM_SMS}] or None, got {num_sms!r}")
     return FlashMLASchedMeta(num_sms=num_sms), None
 
@@ -132,13 +136,21 @@ def _device_num_sms(device: torch.device) -> int:
 def _config_of(p: DecodeProblem, num_sms: int, backend: str) -> ScheduleConfig:
     b, s_q, h_q, d_qk = p.shape
     return ScheduleConfig(
-        b=b, s_q=s_q, h_q=h_q, d_qk=d_qk, topk=p.topk, has_topk_length=p.topk_length is not None,
-        extra_topk=p.extra_topk, has_extra_topk_length=p.extra_topk_length is not None,
-        num_sms=num_sms, device=str(p.q.device), backend=backend,
+        b=b,
+        s_q=s_q,
+        h_q=h_q,
+        d_qk=d_qk,
+        topk=p.topk,
+        has_topk_length=p.topk_length is not None,
+        extra_topk=p.extra_topk,
+        has_extra_topk_length=p.extra_topk_length is not None,
+        num_sms=num_sms,
+        device=str(p.q.device),
+        backend=backend,
     )
 
 
-def plan_decode(p: DecodeProblem, num_sms: Optional[int] = None, backend: str = "auto") -> DecodePlan:
+def plan_decode(p: DecodeProblem, num_sms: int | None = None, backend: str = "auto") -> DecodePlan:
     """Choose the backend for ``p`` and make its schedule (reads ``topk_length`` on the host once).
 
     Args:

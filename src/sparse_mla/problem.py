@@ -4,11 +4,12 @@
 :class:`DecodeProblem`; a bad argument raises ``TypeError``/``ValueError`` naming it. Nothing
 here knows about schedules, backends or kernels.
 """
+
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -44,11 +45,11 @@ class DecodeProblem:
     layout: KVCacheLayout
     sm_scale: float
     d_v: int
-    topk_length: Optional[torch.Tensor] = None
-    attn_sink: Optional[torch.Tensor] = None
-    extra_k_cache: Optional[torch.Tensor] = None
-    extra_indices: Optional[torch.Tensor] = None
-    extra_topk_length: Optional[torch.Tensor] = None
+    topk_length: torch.Tensor | None = None
+    attn_sink: torch.Tensor | None = None
+    extra_k_cache: torch.Tensor | None = None
+    extra_indices: torch.Tensor | None = None
+    extra_topk_length: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -66,7 +67,7 @@ class DecodeProblem:
         return 0 if self.extra_indices is None else self.extra_indices.shape[2]
 
 
-def check_tensor(x: Any, name: str, dtypes: tuple, dim: int, device: Optional[torch.device] = None) -> torch.Tensor:
+def check_tensor(x: Any, name: str, dtypes: tuple, dim: int, device: torch.device | None = None) -> torch.Tensor:
     """``x`` is a tensor of one of ``dtypes`` with ``dim`` dimensions (on ``device``), else
     ``TypeError``/``ValueError`` naming ``name``."""
     if not isinstance(x, torch.Tensor):
@@ -101,7 +102,9 @@ def _check_flags(lay: KVCacheLayout, head_dim_v: Any, is_fp8_kvcache: Any, causa
     if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral) or head_dim_v != lay.d_v:
         raise ValueError(f"head_dim_v: expected {lay.d_v}, got {head_dim_v!r}")
     if not is_fp8_kvcache:
-        raise ValueError("is_fp8_kvcache: the sparse decode (indices given) needs an FP8 cache; pass is_fp8_kvcache=True")
+        raise ValueError(
+            "is_fp8_kvcache: the sparse decode (indices given) needs an FP8 cache; pass is_fp8_kvcache=True"
+        )
     if causal:
         raise ValueError("causal: must be False for the sparse decode (the top-k indices already select the keys)")
 
@@ -139,7 +142,7 @@ def _check_indices(ix: Any, name: str, b: int, s_q: int, dev: torch.device) -> N
         raise ValueError(f"{name}: expected a tensor on {dev} (where q is), got {ix.device}")
 
 
-def _check_vector(x: Any, name: str, dtype: torch.dtype, n: int, n_name: str, dev: torch.device) -> Optional[torch.Tensor]:
+def _check_vector(x: Any, name: str, dtype: torch.dtype, n: int, n_name: str, dev: torch.device) -> torch.Tensor | None:
     """An optional 1-D ``[n]`` tensor, returned contiguous: the kernels index it as ``ptr + i``, so
     a view (strided, expanded, offset) becomes a copy on the device (no host synchronisation)."""
     if x is None:
@@ -193,9 +196,17 @@ def validate_sparse_decode(
         extra_topk_length = _check_vector(extra_topk_length, "extra_topk_length", torch.int32, b, "b", dev)
     attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
     return DecodeProblem(
-        q=q, k_cache=k_cache, indices=indices, layout=lay, sm_scale=sm_scale, d_v=lay.d_v,
-        topk_length=topk_length, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
-        extra_indices=extra_indices_in_kvcache, extra_topk_length=extra_topk_length,
+        q=q,
+        k_cache=k_cache,
+        indices=indices,
+        layout=lay,
+        sm_scale=sm_scale,
+        d_v=lay.d_v,
+        topk_length=topk_length,
+        attn_sink=attn_sink,
+        extra_k_cache=extra_k_cache,
+        extra_indices=extra_indices_in_kvcache,
+        extra_topk_length=extra_topk_length,
     )
 
 
@@ -207,5 +218,7 @@ def is_empty(p: DecodeProblem) -> bool:
 def empty_outputs(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [b, s_q, h_q, d_v]`` bf16 and ``lse [b, h_q, s_q]`` fp32 of an empty step (no launch)."""
     b, s_q, h_q, _ = p.q.shape
-    return (p.q.new_empty((b, s_q, h_q, p.d_v), dtype=torch.bfloat16),
-            p.q.new_empty((b, h_q, s_q), dtype=torch.float32))
+    return (
+        p.q.new_empty((b, s_q, h_q, p.d_v), dtype=torch.bfloat16),
+        p.q.new_empty((b, h_q, s_q), dtype=torch.float32),
+    )

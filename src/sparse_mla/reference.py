@@ -1,6 +1,7 @@
 """Every PyTorch reference twin in one namespace (fp32, CPU or CUDA; the test oracles). Each twin
 lives beside its kernel: the decode and combine twins in :mod:`sparse_mla.decode.reference`, the
 cache-write and index-conversion twins in :mod:`sparse_mla.serving.reference`."""
+
 from .decode.reference import (
     LOG2E,
     combine_reference,

@@ -8,11 +8,12 @@ either. So ``TRITON_INTERPRET=1`` must be set before the kernel modules are impo
 before Python starts); :func:`require_runnable` turns the mismatch into a clear error instead of
 Triton's "0 active drivers".
 """
+
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -41,17 +42,20 @@ def require_runnable(kernel: Any, device: torch.device) -> None:
     """
     if device.type == "cuda":
         return
+    import triton.language.standard as tl_standard
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(kernel, InterpretedFunction):
+    # Triton's own library functions are defined when triton is imported, sparse_mla's kernels when
+    # their module is: both must have been defined with the interpreter on
+    if not (isinstance(kernel, InterpretedFunction) and isinstance(tl_standard.max, InterpretedFunction)):
         raise RuntimeError(
-            "TRITON_INTERPRET=1 was set after sparse_mla's Triton kernels were imported; Triton reads it "
-            "when a kernel is defined, so set it before Python starts (e.g. `TRITON_INTERPRET=1 python ...`) "
-            "or before the first kernel call, or pass CUDA tensors"
+            "TRITON_INTERPRET=1 was set after Triton (or sparse_mla's kernels) had been imported; Triton reads "
+            "it when a kernel is defined, so set it before Python starts (e.g. `TRITON_INTERPRET=1 python ...`), "
+            "or pass CUDA tensors"
         )
 
 
-def backend_override() -> Optional[str]:
+def backend_override() -> str | None:
     """``SPARSE_MLA_BACKEND`` if set and not ``auto`` (for debugging: it replaces a caller's
     ``backend="auto"``, never an explicit choice). Validated by the dispatcher."""
     name = os.environ.get("SPARSE_MLA_BACKEND", "auto")

@@ -20,10 +20,11 @@ An idle partition has ``begin_req = b`` (> ``end_req``). ``num_splits`` is the p
 ``[0, n_0, n_0 + n_1, ...]`` of the number of pieces of every batch: batch ``i``'s partial
 results live at rows ``num_splits[i] .. num_splits[i+1]-1`` of the fp32 accumulators.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -67,9 +68,9 @@ def compute_num_sm_parts(num_sms: int, s_q: int, h_q: int, heads_per_cta: int = 
 def batch_num_blocks(
     b: int,
     topk: int,
-    topk_length: Optional[Sequence[int]] = None,
+    topk_length: Sequence[int] | None = None,
     extra_topk: int = 0,
-    extra_topk_length: Optional[Sequence[int]] = None,
+    extra_topk_length: Sequence[int] | None = None,
     block_size: int = TOPK_BLOCK_SIZE,
 ) -> tuple[list[int], list[int]]:
     """Blocks of work per batch: ``(main_blocks, total_blocks)``.
@@ -116,9 +117,9 @@ class ScheduleTable:
 
     def rows(self) -> list[dict[str, int]]:
         """The metadata as a list of dicts (for printing and tests)."""
-        return [dict(zip(META_FIELDS, map(int, r))) for r in self.metadata.tolist()]
+        return [dict(zip(META_FIELDS, map(int, r), strict=True)) for r in self.metadata.tolist()]
 
-    def to(self, device: torch.device) -> "ScheduleTable":
+    def to(self, device: torch.device) -> ScheduleTable:
         return ScheduleTable(
             self.num_sm_parts,
             self.metadata.to(device),
@@ -135,7 +136,7 @@ def schedule(
     num_blocks: Sequence[int],
     num_sm_parts: int,
     fixed_overhead: int = FIXED_OVERHEAD_NUM_BLOCKS,
-    main_blocks: Optional[Sequence[int]] = None,
+    main_blocks: Sequence[int] | None = None,
 ) -> ScheduleTable:
     """Greedy left-to-right partition of ``num_blocks`` over ``num_sm_parts`` (host side, exact).
 

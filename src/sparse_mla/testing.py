@@ -6,6 +6,7 @@ FlashMLA's own tests hold its decode kernels to, against an fp32 reference on th
 ``lse``: ``|Δ| <= 1e-6 + 8/65536·|ref|``. Non-finite entries (the ``+inf`` lse of a query with no
 valid key, NaN from non-finite inputs) must sit at the same places in both.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,7 +70,10 @@ def _diff(ans: torch.Tensor, ref: torch.Tensor, abs_tol: float, rel_tol: float) 
     return _Diff(
         max_abs_err=err.max().item() if err.numel() else 0.0,
         worst_excess=excess.max().item() if excess.numel() else float("-inf"),
-        worst_index=idx, n_over=int((excess > 0).sum()), anomaly=anomaly, cos=cos_diff(ans, ref),
+        worst_index=idx,
+        n_over=int((excess > 0).sum()),
+        anomaly=anomaly,
+        cos=cos_diff(ans, ref),
     )
 
 
@@ -91,8 +95,12 @@ class Closeness:
 
 
 def decode_closeness(
-    out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor,
-    tol: Tolerance = FLASHMLA_DECODE, finite: bool = True,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    ref_out: torch.Tensor,
+    ref_lse: torch.Tensor,
+    tol: Tolerance = FLASHMLA_DECODE,
+    finite: bool = True,
 ) -> Closeness:
     """Compare ``(out, lse)`` with the fp32 reference under ``tol``; ``finite`` also requires ``out``
     to be finite everywhere. Shapes must match (else ``ValueError``); dtypes are not compared."""
@@ -116,15 +124,23 @@ def decode_closeness(
     if do.cos > tol.out_cos:
         details.append(f"out: cosine distance {do.cos:.3g} > {tol.out_cos:g}")
     return Closeness(
-        out_max_abs_err=do.max_abs_err, out_cos_dist=do.cos, lse_max_abs_err=dl.max_abs_err,
-        out_within=out_finite and not do.anomaly and do.n_over == 0, cos_within=do.cos <= tol.out_cos,
-        lse_within=not dl.anomaly and dl.n_over == 0, detail="; ".join(details),
+        out_max_abs_err=do.max_abs_err,
+        out_cos_dist=do.cos,
+        lse_max_abs_err=dl.max_abs_err,
+        out_within=out_finite and not do.anomaly and do.n_over == 0,
+        cos_within=do.cos <= tol.out_cos,
+        lse_within=not dl.anomaly and dl.n_over == 0,
+        detail="; ".join(details),
     )
 
 
 def check_decode_close(
-    out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor,
-    finite: bool = True, tol: Tolerance = FLASHMLA_DECODE,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    ref_out: torch.Tensor,
+    ref_lse: torch.Tensor,
+    finite: bool = True,
+    tol: Tolerance = FLASHMLA_DECODE,
 ) -> None:
     """Assert :func:`decode_closeness` (``AssertionError`` saying what is off and where).
 

@@ -20,9 +20,10 @@ To add a backend: write its kernel module with a ``launch(p, table, config) -> (
 subclass :class:`Backend` here, and put it in :data:`BACKENDS` (and :data:`AUTO_ORDER` if
 "auto" may pick it); the tests in ``tests/test_backends.py`` then run it where it applies.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class Backend:
 
     name: str = ""
 
-    def unsupported(self, p: DecodeProblem) -> Optional[str]:
+    def unsupported(self, p: DecodeProblem) -> str | None:
         """None when this backend serves ``p``, else why not, as a phrase that follows "it"
         ("needs an sm_90 (Hopper) GPU, ...")."""
         raise NotImplementedError
@@ -68,7 +69,7 @@ def small_head_tile(h_q: int) -> int:
 class ReferenceBackend(Backend):
     name = "reference"
 
-    def unsupported(self, p: DecodeProblem) -> Optional[str]:
+    def unsupported(self, p: DecodeProblem) -> str | None:
         return None
 
     def heads_per_cta(self, h_q: int) -> int:
@@ -78,8 +79,17 @@ class ReferenceBackend(Backend):
         from .reference import sparse_decode_split_reference
 
         out, lse = sparse_decode_split_reference(
-            p.q, p.k_cache, p.indices, table, p.sm_scale, p.d_v, p.topk_length, p.attn_sink,
-            p.extra_k_cache, p.extra_indices, p.extra_topk_length,
+            p.q,
+            p.k_cache,
+            p.indices,
+            table,
+            p.sm_scale,
+            p.d_v,
+            p.topk_length,
+            p.attn_sink,
+            p.extra_k_cache,
+            p.extra_indices,
+            p.extra_topk_length,
         )
         return out.to(torch.bfloat16), lse
 
@@ -87,7 +97,7 @@ class ReferenceBackend(Backend):
 class PortableBackend(Backend):
     name = "portable"
 
-    def unsupported(self, p: DecodeProblem) -> Optional[str]:
+    def unsupported(self, p: DecodeProblem) -> str | None:
         if not use_triton(p.q.device):
             return "runs CPU tensors only under Triton's interpreter (set TRITON_INTERPRET=1 before Python starts)"
         return None
@@ -104,7 +114,7 @@ class PortableBackend(Backend):
 class HopperBackend(Backend):
     name = "hopper"
 
-    def unsupported(self, p: DecodeProblem) -> Optional[str]:
+    def unsupported(self, p: DecodeProblem) -> str | None:
         dev = p.q.device
         if dev.type != "cuda" or interpreting():
             return "needs a CUDA device and compiled kernels (not TRITON_INTERPRET=1)"
@@ -147,7 +157,7 @@ def get_backend(name: str) -> Backend:
     return BACKENDS[key]
 
 
-def backend_support(p: DecodeProblem) -> dict[str, Optional[str]]:
+def backend_support(p: DecodeProblem) -> dict[str, str | None]:
     """For each backend: None if it serves ``p``, else why not."""
     return {name: BACKENDS[name].unsupported(p) for name in AUTO_ORDER}
 
@@ -178,7 +188,9 @@ def resolve_backend(p: DecodeProblem, backend: str = "auto") -> Backend:
     return b
 
 
-def run_decode(p: DecodeProblem, backend: Backend, table: ScheduleTable, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+def run_decode(
+    p: DecodeProblem, backend: Backend, table: ScheduleTable, config: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``backend`` on a validated problem with its schedule; an empty step (``b = 0`` or
     ``s_q = 0``) launches nothing and gets empty outputs. Returns ``(out bf16, lse fp32)``."""
     if is_empty(p):

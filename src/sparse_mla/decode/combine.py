@@ -13,9 +13,8 @@ a single piece were finished by the decode kernel and are left alone.
 This module also owns the split-KV buffer contract of the decode kernels
 (:func:`split_accumulators`) and the final-row formula both share (:func:`final_out_lse`).
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import triton
@@ -25,14 +24,14 @@ from ..runtime import interpreting, require_runnable
 
 
 @triton.jit
-def final_out_lse(acc, l, m, sink_log2, HAS_SINK: tl.constexpr):
-    """Final ``(out, natural-log lse)`` rows of a softmax with log2-space running max ``m``, sum
-    ``l = Σ exp2(s - m)`` and ``acc = Σ exp2(s - m) v``: ``out = acc / (l + exp2(sink - m))``,
+def final_out_lse(acc, row_sum, row_max, sink_log2, HAS_SINK: tl.constexpr):
+    """Final ``(out, natural-log lse)`` rows of a softmax with log2-space running max ``m = row_max``,
+    sum ``l = row_sum = Σ exp2(s - m)`` and ``acc = Σ exp2(s - m) v``: ``out = acc / (l + exp2(sink - m))``,
     ``lse = (log2 l + m) ln 2``; a row with ``l == 0`` (no valid key) gets out 0 and lse +inf,
     a NaN ``l`` (a NaN or +inf score) NaN."""
-    lonely = l == 0.0
-    l_safe = tl.where(lonely, 1.0, l)
-    m_safe = tl.where(lonely, 0.0, m)
+    lonely = row_sum == 0.0
+    l_safe = tl.where(lonely, 1.0, row_sum)
+    m_safe = tl.where(lonely, 0.0, row_max)
     denom = l_safe
     if HAS_SINK:
         denom += tl.exp2(sink_log2 - m_safe)
@@ -43,14 +42,31 @@ def final_out_lse(acc, l, m, sink_log2, HAS_SINK: tl.constexpr):
 
 @triton.jit
 def _combine_kernel(
-    oacc_ptr, stride_ar, stride_as, stride_ah,
-    lacc_ptr, stride_lr, stride_lsq, stride_lh_acc,
-    nsplit_ptr, sink_ptr,
-    out_ptr, stride_ob, stride_os, stride_oh,
-    lse_ptr, stride_lb, stride_lh, stride_ls,
-    h_q, s_q,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_SINK: tl.constexpr, FOR_LOOP: tl.constexpr,
+    oacc_ptr,
+    stride_ar,
+    stride_as,
+    stride_ah,
+    lacc_ptr,
+    stride_lr,
+    stride_lsq,
+    stride_lh_acc,
+    nsplit_ptr,
+    sink_ptr,
+    out_ptr,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    lse_ptr,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    h_q,
+    s_q,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    FOR_LOOP: tl.constexpr,
 ):
     """One program: one (batch, query token), BLOCK_H heads, BLOCK_D output columns."""
     req = tl.program_id(0)
@@ -69,8 +85,11 @@ def _combine_kernel(
         j0 = 0
         while j0 < n:
             js = j0 + tl.arange(0, BLOCK_S)
-            lt = tl.load(lbase[None, :] + (start + js).to(tl.int64)[:, None] * stride_lr,
-                         mask=(js < n)[:, None] & hmask[None, :], other=float("-inf"))
+            lt = tl.load(
+                lbase[None, :] + (start + js).to(tl.int64)[:, None] * stride_lr,
+                mask=(js < n)[:, None] & hmask[None, :],
+                other=float("-inf"),
+            )
             m = tl.maximum(m, tl.max(lt, axis=0))
             j0 += BLOCK_S
         m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -78,8 +97,11 @@ def _combine_kernel(
         j0 = 0
         while j0 < n:
             js = j0 + tl.arange(0, BLOCK_S)
-            lt = tl.load(lbase[None, :] + (start + js).to(tl.int64)[:, None] * stride_lr,
-                         mask=(js < n)[:, None] & hmask[None, :], other=float("-inf"))
+            lt = tl.load(
+                lbase[None, :] + (start + js).to(tl.int64)[:, None] * stride_lr,
+                mask=(js < n)[:, None] & hmask[None, :],
+                other=float("-inf"),
+            )
             tot += tl.sum(tl.exp2(lt - m_safe[None, :]), axis=0)
             j0 += BLOCK_S
         # no valid key in any split: every lse_j is -inf and the sum is 0, a lonely query for
@@ -104,8 +126,11 @@ def _combine_kernel(
         if HAS_SINK:
             sink_log2 = tl.load(sink_ptr + heads, mask=hmask, other=float("-inf")) * 1.4426950408889634
         o, lse = final_out_lse(acc, tot, m_safe, sink_log2, HAS_SINK)
-        tl.store(out_ptr + req * stride_ob + sq * stride_os + heads[:, None] * stride_oh + cols[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(
+            out_ptr + req * stride_ob + sq * stride_os + heads[:, None] * stride_oh + cols[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=hmask[:, None],
+        )
         if db == 0:
             tl.store(lse_ptr + req * stride_lb + heads * stride_lh + sq * stride_ls, lse, mask=hmask)
 
@@ -150,8 +175,8 @@ def combine_fwd(
     num_splits: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    attn_sink: Optional[torch.Tensor] = None,
-    blocks: Optional[tuple[int, int]] = None,
+    attn_sink: torch.Tensor | None = None,
+    blocks: tuple[int, int] | None = None,
 ) -> None:
     """Merge split partial results into ``out``/``lse`` in place (twin: ``reference.combine_reference``).
 
@@ -173,27 +198,52 @@ def combine_fwd(
     """
     b, s_q, h_q, d_v = out.shape
     if not out.is_cuda and not interpreting():
-        raise RuntimeError("combine_fwd: needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors "
-                           "(reference.combine_reference is the PyTorch twin)")
+        raise RuntimeError(
+            "combine_fwd: needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors "
+            "(reference.combine_reference is the PyTorch twin)"
+        )
     require_runnable(_combine_kernel, out.device)
     if blocks is not None:
-        ok = (isinstance(blocks, tuple) and len(blocks) == 2
-              and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0 for v in blocks))
+        ok = (
+            isinstance(blocks, tuple)
+            and len(blocks) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0 for v in blocks)
+        )
         if not ok or d_v % blocks[1]:
-            raise ValueError(f"blocks: expected (BLOCK_H, BLOCK_D), powers of two >= 1 with BLOCK_D dividing "
-                             f"d_v={d_v}, got {blocks!r}")
+            raise ValueError(
+                f"blocks: expected (BLOCK_H, BLOCK_D), powers of two >= 1 with BLOCK_D dividing "
+                f"d_v={d_v}, got {blocks!r}"
+            )
     block_h, block_d = blocks if blocks is not None else _combine_blocks(b, s_q, h_q, d_v, out.device)
     if d_v % block_d:
         raise ValueError(f"out: d_v must be a multiple of {block_d}, got {d_v}")
     grid = (b, s_q * triton.cdiv(h_q, block_h), d_v // block_d)
     _combine_kernel[grid](
-        o_accum, o_accum.stride(0), o_accum.stride(1), o_accum.stride(2),
-        lse_accum, lse_accum.stride(0), lse_accum.stride(1), lse_accum.stride(2),
+        o_accum,
+        o_accum.stride(0),
+        o_accum.stride(1),
+        o_accum.stride(2),
+        lse_accum,
+        lse_accum.stride(0),
+        lse_accum.stride(1),
+        lse_accum.stride(2),
         # read as dense arrays: views (strided, expanded, offset) become copies, on the device
-        num_splits.contiguous(), attn_sink.contiguous() if attn_sink is not None else lse_accum,
-        out, out.stride(0), out.stride(1), out.stride(2),
-        lse, lse.stride(0), lse.stride(1), lse.stride(2),
-        h_q, s_q, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=32, HAS_SINK=attn_sink is not None,
+        num_splits.contiguous(),
+        attn_sink.contiguous() if attn_sink is not None else lse_accum,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        lse,
+        lse.stride(0),
+        lse.stride(1),
+        lse.stride(2),
+        h_q,
+        s_q,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_S=32,
+        HAS_SINK=attn_sink is not None,
         FOR_LOOP=not interpreting(),
         num_warps=4,
     )

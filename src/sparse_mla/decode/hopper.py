@@ -45,6 +45,7 @@ num_splits_ptr, main_blocks_ptr, num_blocks_ptr)``, ``ring = (k_smem, kr_smem, m
 ready_bars, empty_bars)`` and one ``(ptr, strides...)`` tuple per output; both read their
 partition's scheduler row with :func:`_partition_row`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,7 +65,14 @@ from ..runtime import LOG2E
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable
 from .combine import combine_fwd, split_accumulators
 
-__all__ = ["HopperConfig", "launch", "PROFILE_OFF", "PROFILE_PRODUCER_ONLY", "PROFILE_CONSUMER_ONLY", "PROFILE_CACHED_TOKEN"]
+__all__ = [
+    "HopperConfig",
+    "launch",
+    "PROFILE_OFF",
+    "PROFILE_PRODUCER_ONLY",
+    "PROFILE_CONSUMER_ONLY",
+    "PROFILE_CACHED_TOKEN",
+]
 
 BLOCK_H = 64  # heads per CTA (wgmma M)
 BLOCK_N = 64  # tokens per block (= scheduler block)
@@ -140,8 +148,14 @@ def _load_block_indices(ibase, stride_it, pos0, n_valid, ROW8: gl.constexpr):
 
 @gluon.jit
 def _producer(
-    cache, sel, sched, ring,
-    HAS_TOPK_LEN: gl.constexpr, PBS_POW2: gl.constexpr, PBS_LOG2: gl.constexpr, PROFILE: gl.constexpr,
+    cache,
+    sel,
+    sched,
+    ring,
+    HAS_TOPK_LEN: gl.constexpr,
+    PBS_POW2: gl.constexpr,
+    PBS_LOG2: gl.constexpr,
+    PROFILE: gl.constexpr,
 ):
     """Gather, dequantise and stage the K tiles of this partition's blocks (see the module doc)."""
     kv_ptr, stride_blk, stride_tok, num_tokens, pbs = cache
@@ -212,8 +226,12 @@ def _producer(
                 # every gather of the block is in flight before the wait for a free stage: the 512
                 # NoPE bytes as one [64, 4, 128] tile (16-byte loads), the 4 scales as one 16-byte
                 # load per token, the 64 bf16 RoPE values (producer_regs = 128 holds them)
-                p3 = (kv_ptr + gl.expand_dims(gl.expand_dims(tok3, 1), 2)
-                      + gl.expand_dims(gl.expand_dims(t3, 0), 2) * 128 + gl.expand_dims(gl.expand_dims(c3, 0), 1))
+                p3 = (
+                    kv_ptr
+                    + gl.expand_dims(gl.expand_dims(tok3, 1), 2)
+                    + gl.expand_dims(gl.expand_dims(t3, 0), 2) * 128
+                    + gl.expand_dims(gl.expand_dims(c3, 0), 1)
+                )
                 raw = gl.load(p3, mask=gl.expand_dims(gl.expand_dims(v3, 1), 2), other=0)
                 sp = (kv_ptr + gl.expand_dims(tok3, 1) + D_NOPE).to(gl.pointer_type(gl.float32))
                 sc = gl.load(sp + gl.expand_dims(t3, 0), mask=gl.expand_dims(v3, 1), other=0.0)
@@ -237,8 +255,21 @@ def _producer(
 # --------------------------------------------------------------------------------------------- consumer
 @gluon.jit
 def _consumer(
-    q, sink_ptr, sched, out, lse, o_acc, lse_acc, scale_log2, h_q, q_smem, qr_smem, p_smem, ring,
-    HAS_SINK: gl.constexpr, PROFILE: gl.constexpr,
+    q,
+    sink_ptr,
+    sched,
+    out,
+    lse,
+    o_acc,
+    lse_acc,
+    scale_log2,
+    h_q,
+    q_smem,
+    qr_smem,
+    p_smem,
+    ring,
+    HAS_SINK: gl.constexpr,
+    PROFILE: gl.constexpr,
 ):
     """QKᵀ, online softmax and P·V over the staged K tiles; writes out/lse or the split partials."""
     q_ptr, stride_qb, stride_qs, stride_qh = q
@@ -294,7 +325,7 @@ def _consumer(
         m_i = gl.full([64], float("-inf"), gl.float32, SROW)
         l_i = gl.zeros([64], gl.float32, SROW)
         acc = gl.zeros([64, D_NOPE], gl.float32, O_L)
-        for blk in range(blk0, blk1):
+        for _blk in range(blk0, blk1):
             stage = it % 2
             phase = (it // 2) & 1
             mbarrier.wait(ready_bars.index(stage), phase)
@@ -337,16 +368,26 @@ def _consumer(
                 denom += gl.exp2(sink_log2 - m_safe2)
             scale_row = gl.where(lonely, 0.0, 1.0 / denom)
             o = acc * gl.expand_dims(gl.convert_layout(scale_row, OROW), 1)
-            optr = (out_ptr + req.to(gl.int64) * stride_ob + sq * stride_os
-                    + gl.expand_dims(heads_o * stride_oh, 1) + gl.expand_dims(cols_o, 0))
+            optr = (
+                out_ptr
+                + req.to(gl.int64) * stride_ob
+                + sq * stride_os
+                + gl.expand_dims(heads_o * stride_oh, 1)
+                + gl.expand_dims(cols_o, 0)
+            )
             gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
             lse_v = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
             gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse_v, mask=hmask_s)
         else:
             row = (split_base + split).to(gl.int64)
             o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, OROW), 1)
-            aptr = (oacc_ptr + row * stride_ar + sq * stride_as
-                    + gl.expand_dims(heads_o * stride_ah, 1) + gl.expand_dims(cols_o, 0))
+            aptr = (
+                oacc_ptr
+                + row * stride_ar
+                + sq * stride_as
+                + gl.expand_dims(heads_o * stride_ah, 1)
+                + gl.expand_dims(cols_o, 0)
+            )
             gl.store(aptr, o, mask=hmask_o)
             gl.store(lacc_ptr + row * stride_lr + sq * stride_lsq + heads_s, lse2, mask=hmask_s)
         req += 1
@@ -355,18 +396,50 @@ def _consumer(
 # --------------------------------------------------------------------------------------------- kernel
 @gluon.jit
 def _sparse_decode_gluon_kernel(
-    q_ptr, stride_qb, stride_qs, stride_qh,
-    kv_ptr, stride_blk, stride_tok, num_tokens, pbs,
-    idx_ptr, stride_ib, stride_is, stride_it, topk,
-    topk_len_ptr, sink_ptr,
-    meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr,
-    out_ptr, stride_ob, stride_os, stride_oh,
-    lse_ptr, stride_lb, stride_lh, stride_ls,
-    oacc_ptr, stride_ar, stride_as, stride_ah,
-    lacc_ptr, stride_lr, stride_lsq,
-    scale_log2, h_q,
-    HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr, PBS_POW2: gl.constexpr, PBS_LOG2: gl.constexpr,
-    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROFILE: gl.constexpr,
+    q_ptr,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    kv_ptr,
+    stride_blk,
+    stride_tok,
+    num_tokens,
+    pbs,
+    idx_ptr,
+    stride_ib,
+    stride_is,
+    stride_it,
+    topk,
+    topk_len_ptr,
+    sink_ptr,
+    meta_ptr,
+    nsplit_ptr,
+    mainblk_ptr,
+    nblk_ptr,
+    out_ptr,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    lse_ptr,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    oacc_ptr,
+    stride_ar,
+    stride_as,
+    stride_ah,
+    lacc_ptr,
+    stride_lr,
+    stride_lsq,
+    scale_log2,
+    h_q,
+    HAS_TOPK_LEN: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    PBS_POW2: gl.constexpr,
+    PBS_LOG2: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    PROFILE: gl.constexpr,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / 64))``; flat arguments (``scripts/gluon_compile_check.py``
     builds the signature from their names), grouped into tuples for the partitions."""
@@ -377,8 +450,9 @@ def _sparse_decode_gluon_kernel(
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, D_NOPE], SW)
     kr_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, D_ROPE], SW)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SW)
-    mask_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 64],
-                                          gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    mask_smem = gl.allocate_shared_memory(
+        gl.float32, [NUM_STAGES, 64], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    )
     ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
@@ -387,23 +461,51 @@ def _sparse_decode_gluon_kernel(
 
     sched = (meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr)
     ring = (k_smem, kr_smem, mask_smem, ready_bars, empty_bars)
-    gl.warp_specialize([
-        (_consumer, (
-            (q_ptr, stride_qb, stride_qs, stride_qh), sink_ptr, sched,
-            (out_ptr, stride_ob, stride_os, stride_oh), (lse_ptr, stride_lb, stride_lh, stride_ls),
-            (oacc_ptr, stride_ar, stride_as, stride_ah), (lacc_ptr, stride_lr, stride_lsq),
-            scale_log2, h_q, q_smem, qr_smem, p_smem, ring, HAS_SINK, PROFILE,
-        )),
-        (_producer, (
-            (kv_ptr, stride_blk, stride_tok, num_tokens, pbs),
-            (idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr), sched, ring,
-            HAS_TOPK_LEN, PBS_POW2, PBS_LOG2, PROFILE,
-        )),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    (q_ptr, stride_qb, stride_qs, stride_qh),
+                    sink_ptr,
+                    sched,
+                    (out_ptr, stride_ob, stride_os, stride_oh),
+                    (lse_ptr, stride_lb, stride_lh, stride_ls),
+                    (oacc_ptr, stride_ar, stride_as, stride_ah),
+                    (lacc_ptr, stride_lr, stride_lsq),
+                    scale_log2,
+                    h_q,
+                    q_smem,
+                    qr_smem,
+                    p_smem,
+                    ring,
+                    HAS_SINK,
+                    PROFILE,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    (kv_ptr, stride_blk, stride_tok, num_tokens, pbs),
+                    (idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr),
+                    sched,
+                    ring,
+                    HAS_TOPK_LEN,
+                    PBS_POW2,
+                    PBS_LOG2,
+                    PROFILE,
+                ),
+            ),
+        ],
+        [PRODUCER_WARPS],
+        [PRODUCER_REGS],
+    )
 
 
 # --------------------------------------------------------------------------------------------- launcher
-def launch(p: DecodeProblem, table: ScheduleTable, config: "HopperConfig | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+def launch(
+    p: DecodeProblem, table: ScheduleTable, config: HopperConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the warp-specialised kernel, and the combine kernel when some batch is split.
 
     Args:
@@ -429,21 +531,50 @@ def launch(p: DecodeProblem, table: ScheduleTable, config: "HopperConfig | None"
     dummy_i32 = table.num_splits
     grid = (table.num_sm_parts, s_q, -(-h_q // BLOCK_H))
     _sparse_decode_gluon_kernel[grid](
-        q, q.stride(0), q.stride(1), q.stride(2),
-        raw, raw.stride(0), raw.stride(1), raw.shape[0] * pbs, pbs,
-        p.indices, *p.indices.stride(), p.indices.shape[2],
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        raw,
+        raw.stride(0),
+        raw.stride(1),
+        raw.shape[0] * pbs,
+        pbs,
+        p.indices,
+        *p.indices.stride(),
+        p.indices.shape[2],
         p.topk_length if p.topk_length is not None else dummy_i32,
         p.attn_sink if p.attn_sink is not None else l_acc,
-        table.metadata, table.num_splits, table.main_blocks, table.num_blocks_t,
-        out, out.stride(0), out.stride(1), out.stride(2),
-        lse, lse.stride(0), lse.stride(1), lse.stride(2),
-        o_acc, o_acc.stride(0), o_acc.stride(1), o_acc.stride(2),
-        l_acc, l_acc.stride(0), l_acc.stride(1),
-        p.sm_scale * LOG2E, h_q,
-        HAS_TOPK_LEN=p.topk_length is not None, HAS_SINK=p.attn_sink is not None,
-        PBS_POW2=pow2, PBS_LOG2=pbs.bit_length() - 1 if pow2 else 0,
-        PRODUCER_WARPS=config.producer_warps, PRODUCER_REGS=config.producer_regs, PROFILE=config.profile,
-        num_warps=CONSUMER_WARPS, maxnreg=config.maxnreg,
+        table.metadata,
+        table.num_splits,
+        table.main_blocks,
+        table.num_blocks_t,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        lse,
+        lse.stride(0),
+        lse.stride(1),
+        lse.stride(2),
+        o_acc,
+        o_acc.stride(0),
+        o_acc.stride(1),
+        o_acc.stride(2),
+        l_acc,
+        l_acc.stride(0),
+        l_acc.stride(1),
+        p.sm_scale * LOG2E,
+        h_q,
+        HAS_TOPK_LEN=p.topk_length is not None,
+        HAS_SINK=p.attn_sink is not None,
+        PBS_POW2=pow2,
+        PBS_LOG2=pbs.bit_length() - 1 if pow2 else 0,
+        PRODUCER_WARPS=config.producer_warps,
+        PRODUCER_REGS=config.producer_regs,
+        PROFILE=config.profile,
+        num_warps=CONSUMER_WARPS,
+        maxnreg=config.maxnreg,
     )
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.num_splits, out, lse, p.attn_sink)

@@ -21,6 +21,7 @@ Kernel arguments travel as tuples (Triton passes their members as separate argum
 ``sched = (metadata_ptr, num_splits_ptr, main_blocks_ptr, num_blocks_ptr)`` and
 ``(ptr, strides...)`` for each output.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,9 +40,9 @@ from .combine import combine_fwd, final_out_lse, split_accumulators
 __all__ = ["PortableConfig", "launch"]
 
 # how a token's cache address is computed (constexpr ADDR)
-ADDR_CONTIGUOUS_V32 = 0  # V32 cache whose blocks are contiguous: token address = slot * token_stride
-ADDR_POW2_PAGE = 1  # power-of-two page_block_size: shift and mask
-ADDR_GENERAL = 2  # integer division
+ADDR_CONTIGUOUS_V32 = tl.constexpr(0)  # V32 cache whose blocks are contiguous: token address = slot * token_stride
+ADDR_POW2_PAGE = tl.constexpr(1)  # power-of-two page_block_size: shift and mask
+ADDR_GENERAL = tl.constexpr(2)  # integer division
 
 
 @dataclass(frozen=True)
@@ -65,15 +66,29 @@ class PortableConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"PortableConfig.{name}: expected a positive int, got {v!r}")
         if TOPK_BLOCK_SIZE % self.block_n or self.block_n & (self.block_n - 1):
-            raise ValueError(f"PortableConfig.block_n: expected a power of two dividing {TOPK_BLOCK_SIZE}, got {self.block_n}")
+            raise ValueError(
+                f"PortableConfig.block_n: expected a power of two dividing {TOPK_BLOCK_SIZE}, got {self.block_n}"
+            )
 
 
 @triton.jit
 def _load_block_keys(
-    cache, sel, req, sq, pos0, n_valid,
-    ADDR: tl.constexpr, IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
-    TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    cache,
+    sel,
+    req,
+    sq,
+    pos0,
+    n_valid,
+    ADDR: tl.constexpr,
+    IS_V32: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_NOPE: tl.constexpr,
+    D_TAIL: tl.constexpr,
+    TILE: tl.constexpr,
+    MAIN_TILES: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     """Gather and dequantise BLOCK_N indexed tokens: (k_main [N, 512], k_tail [N, 64], valid [N])."""
     kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2 = cache
@@ -112,8 +127,11 @@ def _load_block_keys(
         k8 = tl.load(kv_ptr + tok[:, None] + cols[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
         kf = k8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
         tiles = tl.arange(0, MAIN_TILES)
-        eb = tl.load(kv_ptr + base[:, None] + pbs * (D_NOPE + 2 * D_TAIL) + off[:, None] * 8 + tiles[None, :],
-                     mask=valid[:, None] & (tiles[None, :] < NUM_TILES), other=127)
+        eb = tl.load(
+            kv_ptr + base[:, None] + pbs * (D_NOPE + 2 * D_TAIL) + off[:, None] * 8 + tiles[None, :],
+            mask=valid[:, None] & (tiles[None, :] < NUM_TILES),
+            other=127,
+        )
         sc = tl.exp2(eb.to(tl.float32) - 127.0).to(DOT_DTYPE)
         kf = tl.reshape(tl.reshape(kf, [BLOCK_N, MAIN_TILES, TILE]) * sc[:, :, None], [BLOCK_N, D_MAIN])
         rptr = (kv_ptr + tok + D_NOPE).to(tl.pointer_type(tl.bfloat16))
@@ -126,16 +144,49 @@ def _load_block_keys(
 
 @triton.jit
 def _block_step(
-    q_main, q_tail, m_i, l_i, acc, cache, sel, req, sq, blk_i, n_valid, scale_log2,
-    ADDR: tl.constexpr, IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
-    TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    q_main,
+    q_tail,
+    m_i,
+    l_i,
+    acc,
+    cache,
+    sel,
+    req,
+    sq,
+    blk_i,
+    n_valid,
+    scale_log2,
+    ADDR: tl.constexpr,
+    IS_V32: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_NOPE: tl.constexpr,
+    D_TAIL: tl.constexpr,
+    TILE: tl.constexpr,
+    MAIN_TILES: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     RESCALE_TAU: tl.constexpr = 8.0,
 ):
     """One BLOCK_N-token step of the online softmax; returns the updated (m, l, acc)."""
     k_main, k_tail, valid = _load_block_keys(
-        cache, sel, req, sq, blk_i * BLOCK_N, n_valid,
-        ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE,
+        cache,
+        sel,
+        req,
+        sq,
+        blk_i * BLOCK_N,
+        n_valid,
+        ADDR,
+        IS_V32,
+        D_MAIN,
+        D_NOPE,
+        D_TAIL,
+        TILE,
+        MAIN_TILES,
+        NUM_TILES,
+        BLOCK_N,
+        DOT_DTYPE,
     )
     s = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PREC)
     if IS_V32:
@@ -159,11 +210,33 @@ def _block_step(
 
 @triton.jit
 def _attend_blocks(
-    q_main, q_tail, m_i, l_i, acc, cache, sel, req, sq, blk_begin, blk_end, scale_log2,
-    ADDR: tl.constexpr, IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
-    TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
-    BLOCK_N: tl.constexpr, SCHED_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    HAS_LEN: tl.constexpr, FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
+    q_main,
+    q_tail,
+    m_i,
+    l_i,
+    acc,
+    cache,
+    sel,
+    req,
+    sq,
+    blk_begin,
+    blk_end,
+    scale_log2,
+    ADDR: tl.constexpr,
+    IS_V32: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_NOPE: tl.constexpr,
+    D_TAIL: tl.constexpr,
+    TILE: tl.constexpr,
+    MAIN_TILES: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCHED_BLOCK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    FOR_LOOP: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Online softmax over scheduler blocks [blk_begin, blk_end) of one cache, BLOCK_N tokens a step.
 
@@ -180,15 +253,57 @@ def _attend_blocks(
     if FOR_LOOP:
         for blk_i in tl.range(sub_begin, sub_end, num_stages=NUM_STAGES):
             m_i, l_i, acc = _block_step(
-                q_main, q_tail, m_i, l_i, acc, cache, sel, req, sq, blk_i, n_valid, scale_log2,
-                ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC,
+                q_main,
+                q_tail,
+                m_i,
+                l_i,
+                acc,
+                cache,
+                sel,
+                req,
+                sq,
+                blk_i,
+                n_valid,
+                scale_log2,
+                ADDR,
+                IS_V32,
+                D_MAIN,
+                D_NOPE,
+                D_TAIL,
+                TILE,
+                MAIN_TILES,
+                NUM_TILES,
+                BLOCK_N,
+                DOT_DTYPE,
+                DOT_PREC,
             )
     else:
         blk_i = sub_begin
         while blk_i < sub_end:
             m_i, l_i, acc = _block_step(
-                q_main, q_tail, m_i, l_i, acc, cache, sel, req, sq, blk_i, n_valid, scale_log2,
-                ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC,
+                q_main,
+                q_tail,
+                m_i,
+                l_i,
+                acc,
+                cache,
+                sel,
+                req,
+                sq,
+                blk_i,
+                n_valid,
+                scale_log2,
+                ADDR,
+                IS_V32,
+                D_MAIN,
+                D_NOPE,
+                D_TAIL,
+                TILE,
+                MAIN_TILES,
+                NUM_TILES,
+                BLOCK_N,
+                DOT_DTYPE,
+                DOT_PREC,
             )
             blk_i += 1
     return m_i, l_i, acc
@@ -196,13 +311,39 @@ def _attend_blocks(
 
 @triton.jit
 def _sparse_decode_kernel(
-    q, cache, sel, extra_cache, extra_sel, sink_ptr, sched, out, lse, o_acc, lse_acc, h_q, scale_log2,
-    ADDR: tl.constexpr, EXTRA_ADDR: tl.constexpr,
-    IS_V32: tl.constexpr, D_MAIN: tl.constexpr, D_NOPE: tl.constexpr, D_TAIL: tl.constexpr,
-    TILE: tl.constexpr, MAIN_TILES: tl.constexpr, NUM_TILES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCHED_BLOCK: tl.constexpr,
-    HAS_TOPK_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_EXTRA_LEN: tl.constexpr, HAS_SINK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
+    q,
+    cache,
+    sel,
+    extra_cache,
+    extra_sel,
+    sink_ptr,
+    sched,
+    out,
+    lse,
+    o_acc,
+    lse_acc,
+    h_q,
+    scale_log2,
+    ADDR: tl.constexpr,
+    EXTRA_ADDR: tl.constexpr,
+    IS_V32: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_NOPE: tl.constexpr,
+    D_TAIL: tl.constexpr,
+    TILE: tl.constexpr,
+    MAIN_TILES: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCHED_BLOCK: tl.constexpr,
+    HAS_TOPK_LEN: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    HAS_EXTRA_LEN: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    FOR_LOOP: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / BLOCK_H))``. ``q = (ptr, stride_b, stride_s, stride_h)``;
     ``out = (ptr, stride_b, stride_s, stride_h)``, ``lse = (ptr, stride_b, stride_h, stride_s)``;
@@ -253,16 +394,63 @@ def _sparse_decode_kernel(
         acc = tl.zeros([BLOCK_H, D_MAIN], tl.float32)
         # blocks [0, n_main) of a request are main-cache blocks, the rest extra-cache blocks
         m_i, l_i, acc = _attend_blocks(
-            q_main, q_tail, m_i, l_i, acc, cache, sel, req, sq, blk0, tl.minimum(blk1, n_main), scale_log2,
-            ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, SCHED_BLOCK, DOT_DTYPE, DOT_PREC,
-            HAS_TOPK_LEN, FOR_LOOP, NUM_STAGES,
+            q_main,
+            q_tail,
+            m_i,
+            l_i,
+            acc,
+            cache,
+            sel,
+            req,
+            sq,
+            blk0,
+            tl.minimum(blk1, n_main),
+            scale_log2,
+            ADDR,
+            IS_V32,
+            D_MAIN,
+            D_NOPE,
+            D_TAIL,
+            TILE,
+            MAIN_TILES,
+            NUM_TILES,
+            BLOCK_N,
+            SCHED_BLOCK,
+            DOT_DTYPE,
+            DOT_PREC,
+            HAS_TOPK_LEN,
+            FOR_LOOP,
+            NUM_STAGES,
         )
         if HAS_EXTRA:
             m_i, l_i, acc = _attend_blocks(
-                q_main, q_tail, m_i, l_i, acc, extra_cache, extra_sel, req, sq,
-                tl.maximum(blk0, n_main) - n_main, blk1 - n_main, scale_log2,
-                EXTRA_ADDR, IS_V32, D_MAIN, D_NOPE, D_TAIL, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, SCHED_BLOCK,
-                DOT_DTYPE, DOT_PREC, HAS_EXTRA_LEN, FOR_LOOP, NUM_STAGES,
+                q_main,
+                q_tail,
+                m_i,
+                l_i,
+                acc,
+                extra_cache,
+                extra_sel,
+                req,
+                sq,
+                tl.maximum(blk0, n_main) - n_main,
+                blk1 - n_main,
+                scale_log2,
+                EXTRA_ADDR,
+                IS_V32,
+                D_MAIN,
+                D_NOPE,
+                D_TAIL,
+                TILE,
+                MAIN_TILES,
+                NUM_TILES,
+                BLOCK_N,
+                SCHED_BLOCK,
+                DOT_DTYPE,
+                DOT_PREC,
+                HAS_EXTRA_LEN,
+                FOR_LOOP,
+                NUM_STAGES,
             )
 
         if n_splits == 1:
@@ -290,17 +478,19 @@ def _cache_args(kc: torch.Tensor, is_v32: bool) -> tuple[tuple, int]:
     nb, pbs = raw.shape[0], raw.shape[1]
     pow2 = pbs & (pbs - 1) == 0
     if is_v32 and (nb == 1 or raw.stride(0) == pbs * raw.stride(1)):
-        addr = ADDR_CONTIGUOUS_V32
+        addr = ADDR_CONTIGUOUS_V32.value
     else:
-        addr = ADDR_POW2_PAGE if pow2 else ADDR_GENERAL
+        addr = (ADDR_POW2_PAGE if pow2 else ADDR_GENERAL).value
     return (raw, raw.stride(0), raw.stride(1), nb * pbs, pbs, pbs.bit_length() - 1 if pow2 else 0), addr
 
 
-def _sel_args(indices: torch.Tensor, lengths: "torch.Tensor | None", dummy: torch.Tensor) -> tuple:
+def _sel_args(indices: torch.Tensor, lengths: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
     return (indices, *indices.stride(), indices.shape[2], lengths if lengths is not None else dummy)
 
 
-def launch(p: DecodeProblem, table: ScheduleTable, config: "PortableConfig | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+def launch(
+    p: DecodeProblem, table: ScheduleTable, config: PortableConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the portable split-KV kernel, and the combine kernel when some batch is split.
 
     Args:
@@ -332,25 +522,41 @@ def launch(p: DecodeProblem, table: ScheduleTable, config: "PortableConfig | Non
     extra_cache, extra_addr = _cache_args(p.extra_k_cache, is_v32) if has_extra else (cache, addr)
     extra_sel = _sel_args(p.extra_indices, p.extra_topk_length, dummy_i32) if has_extra else sel
     args = (
-        (q, q.stride(0), q.stride(1), q.stride(2)), cache, sel, extra_cache, extra_sel,
+        (q, q.stride(0), q.stride(1), q.stride(2)),
+        cache,
+        sel,
+        extra_cache,
+        extra_sel,
         p.attn_sink if p.attn_sink is not None else l_acc,
         (table.metadata, table.num_splits, table.main_blocks, table.num_blocks_t),
         (out, out.stride(0), out.stride(1), out.stride(2)),
         (lse, lse.stride(0), lse.stride(1), lse.stride(2)),
         (o_acc, o_acc.stride(0), o_acc.stride(1), o_acc.stride(2)),
         (l_acc, l_acc.stride(0), l_acc.stride(1)),
-        h_q, p.sm_scale * LOG2E,
+        h_q,
+        p.sm_scale * LOG2E,
     )
     consts = dict(
-        ADDR=addr, EXTRA_ADDR=extra_addr,
-        IS_V32=is_v32, D_MAIN=512, D_NOPE=lay.d_nope, D_TAIL=64,
-        TILE=lay.tile, MAIN_TILES=512 // lay.tile, NUM_TILES=lay.num_tiles,
-        BLOCK_H=block_h, BLOCK_N=config.block_n, SCHED_BLOCK=TOPK_BLOCK_SIZE,
-        HAS_TOPK_LEN=p.topk_length is not None, HAS_EXTRA=has_extra,
-        HAS_EXTRA_LEN=p.extra_topk_length is not None, HAS_SINK=p.attn_sink is not None,
+        ADDR=addr,
+        EXTRA_ADDR=extra_addr,
+        IS_V32=is_v32,
+        D_MAIN=512,
+        D_NOPE=lay.d_nope,
+        D_TAIL=64,
+        TILE=lay.tile,
+        MAIN_TILES=512 // lay.tile,
+        NUM_TILES=lay.num_tiles,
+        BLOCK_H=block_h,
+        BLOCK_N=config.block_n,
+        SCHED_BLOCK=TOPK_BLOCK_SIZE,
+        HAS_TOPK_LEN=p.topk_length is not None,
+        HAS_EXTRA=has_extra,
+        HAS_EXTRA_LEN=p.extra_topk_length is not None,
+        HAS_SINK=p.attn_sink is not None,
         # the interpreter's bf16 dot is wrong (docs/design.md, environment): fp32 operands, exact
         # (ieee) products there
-        DOT_DTYPE=tl.float32 if interp else tl.bfloat16, DOT_PREC="ieee" if interp else None,
+        DOT_DTYPE=tl.float32 if interp else tl.bfloat16,
+        DOT_PREC="ieee" if interp else None,
         FOR_LOOP=not interp,
     )
     _launch_fitting(args, consts, (table.num_sm_parts, s_q, triton.cdiv(h_q, block_h)), config, dev)

@@ -16,10 +16,10 @@ Non-finite values (the same on every path): a valid key with a NaN or ``+inf`` s
 query head's out and lse NaN, a ``-inf`` score gives its key weight 0, a NaN sink makes out NaN;
 lonely queries keep out 0 and lse +inf whatever the sink.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -39,7 +39,7 @@ LOG2E = math.log2(math.e)
 
 
 def gather_kv(
-    k_cache: torch.Tensor, indices: torch.Tensor, topk_length: Optional[torch.Tensor] = None
+    k_cache: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather and dequantise the indexed tokens.
 
@@ -87,7 +87,7 @@ def _poisoned(s: torch.Tensor) -> torch.Tensor:
     return (torch.isnan(s) | torch.isposinf(s)).any(dim=-1)
 
 
-def _sink_factor(lse: torch.Tensor, attn_sink: Optional[torch.Tensor]) -> torch.Tensor:
+def _sink_factor(lse: torch.Tensor, attn_sink: torch.Tensor | None) -> torch.Tensor:
     """``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``; lse [..., h], sink [h].
 
     NaN where the sink is NaN (it propagates) and for lonely queries with a ``+inf`` sink
@@ -102,13 +102,13 @@ def sparse_decode_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     indices: torch.Tensor,
-    sm_scale: Optional[float] = None,
+    sm_scale: float | None = None,
     d_v: int = 512,
-    topk_length: Optional[torch.Tensor] = None,
-    attn_sink: Optional[torch.Tensor] = None,
-    extra_k_cache: Optional[torch.Tensor] = None,
-    extra_indices: Optional[torch.Tensor] = None,
-    extra_topk_length: Optional[torch.Tensor] = None,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Direct fp32 sparse decode.
 
@@ -126,7 +126,7 @@ def sparse_decode_reference(
         ``out [b, s_q, h_q, d_v]`` float32 and ``lse [b, h_q, s_q]`` float32 (natural log).
     """
     d_qk = q.shape[-1]
-    sm_scale = d_qk ** -0.5 if sm_scale is None else sm_scale
+    sm_scale = d_qk**-0.5 if sm_scale is None else sm_scale
     s, v, _ = _scores_and_values(q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length, d_v)
     s = s * sm_scale
     lse = torch.logsumexp(s, dim=-1)  # [b, s_q, h]; -inf when nothing is valid
@@ -156,7 +156,7 @@ def combine_reference(
     num_splits: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    attn_sink: Optional[torch.Tensor] = None,
+    attn_sink: torch.Tensor | None = None,
 ) -> None:
     """Merge split partial results in place into ``out``/``lse`` (batches with one split untouched).
 
@@ -189,13 +189,13 @@ def sparse_decode_split_reference(
     k_cache: torch.Tensor,
     indices: torch.Tensor,
     sched: ScheduleTable,
-    sm_scale: Optional[float] = None,
+    sm_scale: float | None = None,
     d_v: int = 512,
-    topk_length: Optional[torch.Tensor] = None,
-    attn_sink: Optional[torch.Tensor] = None,
-    extra_k_cache: Optional[torch.Tensor] = None,
-    extra_indices: Optional[torch.Tensor] = None,
-    extra_topk_length: Optional[torch.Tensor] = None,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-KV path in fp32 following ``sched`` partition by partition, then the combine.
 
@@ -204,7 +204,7 @@ def sparse_decode_split_reference(
     Same arguments and returns as :func:`sparse_decode_reference`.
     """
     b, s_q, h_q, d_qk = q.shape
-    sm_scale = d_qk ** -0.5 if sm_scale is None else sm_scale
+    sm_scale = d_qk**-0.5 if sm_scale is None else sm_scale
     topk = indices.shape[-1]
     s, v, _ = _scores_and_values(q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length, d_v)
     s2 = s * (sm_scale * LOG2E)  # log2-space scores [b, s_q, h, T]
@@ -233,10 +233,10 @@ def sparse_decode_split_reference(
             m = sc.max(dim=-1).values if sc.shape[-1] else torch.full(sc.shape[:-1], float("-inf"), device=q.device)
             m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
             p = torch.exp2(sc - m_safe.unsqueeze(-1))
-            l = p.sum(-1)
+            psum = p.sum(-1)
             o = torch.einsum("shn,snd->shd", p, v[req][:, cols_t])
-            o = o / torch.where(l == 0, torch.ones_like(l), l).unsqueeze(-1)
-            lse2 = torch.where(l == 0, torch.full_like(l, float("-inf")), torch.log2(l) + m_safe)
+            o = o / torch.where(psum == 0, torch.ones_like(psum), psum).unsqueeze(-1)
+            lse2 = torch.where(psum == 0, torch.full_like(psum, float("-inf")), torch.log2(psum) + m_safe)
             if ns[req + 1] - ns[req] == 1:  # not split: final result directly
                 lse_nat = torch.where(torch.isneginf(lse2), torch.full_like(lse2, float("inf")), lse2 / LOG2E)
                 o = o * _sink_factor(lse_nat, attn_sink).unsqueeze(-1)

@@ -1,4 +1,5 @@
 """Cache formats: the FP8 layouts (V32, MODEL1) and their quantisation (pure PyTorch)."""
+
 from .layouts import (
     MODEL1,
     V32,

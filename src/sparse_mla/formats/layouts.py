@@ -19,10 +19,10 @@ Two layouts, both "latent" MLA caches with a single KV head (``h_kv = 1``):
 Scales are UE8M0 (powers of two): ``scale = 2^ceil(log2(max(amax / 448, 1e-4)))`` and the stored
 value is ``x / scale`` rounded to e4m3, so dequantisation (``fp8 * scale``) is exact.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -110,7 +110,7 @@ V32 = KVCacheLayout(name="V32", d_qk=576, d_v=512, d_rope=64, tile=128, scale_by
 MODEL1 = KVCacheLayout(name="MODEL1", d_qk=512, d_v=512, d_rope=64, tile=64, scale_bytes=1)
 _LAYOUTS = {"V32": V32, "MODEL1": MODEL1}
 
-LayoutLike = Union[str, KVCacheLayout, int]
+LayoutLike = str | KVCacheLayout | int
 
 
 def get_layout(layout: LayoutLike) -> KVCacheLayout:
@@ -149,7 +149,9 @@ def layout_of_cache(k_cache: torch.Tensor) -> KVCacheLayout:
     if not isinstance(k_cache, torch.Tensor):
         raise TypeError(f"k_cache: expected a torch.Tensor, got {type(k_cache).__name__}")
     if k_cache.dim() != 4:
-        raise ValueError(f"k_cache: expected shape [num_blocks, page_block_size, 1, bytes_per_token], got {list(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache: expected shape [num_blocks, page_block_size, 1, bytes_per_token], got {list(k_cache.shape)}"
+        )
     bpt = int(k_cache.shape[-1])
     for lay in _LAYOUTS.values():
         if lay.bytes_per_token == bpt:
@@ -208,5 +210,3 @@ def check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_c
 def num_cache_tokens(k_cache: torch.Tensor) -> int:
     """Number of addressable token slots (``num_blocks * page_block_size``)."""
     return int(k_cache.shape[0]) * int(k_cache.shape[1])
-
-

@@ -3,6 +3,7 @@
 Scales are UE8M0 (powers of two): ``scale = 2^ceil(log2(max(amax / 448, 1e-4)))`` and the stored
 value is ``x / scale`` rounded to e4m3, so dequantisation (``fp8 * scale``) is exact.
 """
+
 from __future__ import annotations
 
 import torch
@@ -95,9 +96,7 @@ def quantize_k_cache(
     return out.view(out_dtype) if out_dtype != torch.uint8 else out
 
 
-def gather_dequant_tokens(
-    k_cache: torch.Tensor, layout: LayoutLike, token_idx: torch.Tensor
-) -> torch.Tensor:
+def gather_dequant_tokens(k_cache: torch.Tensor, layout: LayoutLike, token_idx: torch.Tensor) -> torch.Tensor:
     """Dequantise the cache tokens at flat indices ``token_idx`` (``block * page_block_size + offset``).
 
     ``token_idx`` must already be in range; returns float32 ``[*token_idx.shape, d_qk]``.
@@ -142,7 +141,9 @@ def gather_dequant_tokens(
     return out.view(*token_idx.shape, lay.d_qk)
 
 
-def dequantize_k_cache(kq: torch.Tensor, layout: LayoutLike = "V32", dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_k_cache(
+    kq: torch.Tensor, layout: LayoutLike = "V32", dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Inverse of :func:`quantize_k_cache`: ``[num_blocks, page_block_size, 1, d_qk]`` of ``dtype``.
 
     Dequantisation is exact (power-of-two scales), so bf16 output loses nothing.
@@ -153,9 +154,9 @@ def dequantize_k_cache(kq: torch.Tensor, layout: LayoutLike = "V32", dtype: torc
     lay = get_layout(layout)
     check_quantized_cache(kq, lay, "kq")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
-        raise TypeError(f"dtype: expected a floating torch.dtype of 16 or more bits (e.g. torch.bfloat16), got {dtype!r}")
+        raise TypeError(
+            f"dtype: expected a floating torch.dtype of 16 or more bits (e.g. torch.bfloat16), got {dtype!r}"
+        )
     nb, pbs = kq.shape[0], kq.shape[1]
     idx = torch.arange(nb * pbs, device=kq.device)
     return gather_dequant_tokens(kq, lay, idx).to(dtype).view(nb, pbs, 1, lay.d_qk)
-
-

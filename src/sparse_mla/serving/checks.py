@@ -1,8 +1,7 @@
 """Argument checks of the serving-path operations, shared by the kernels, their PyTorch twins and
 the custom ops (pure PyTorch: importing this module imports no Triton)."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -15,7 +14,7 @@ def check_store_args(
     kv: torch.Tensor,
     slot_mapping: torch.Tensor,
     k_cache: torch.Tensor,
-    layout: Optional[LayoutLike] = None,
+    layout: LayoutLike | None = None,
 ) -> KVCacheLayout:
     """Validate the arguments of :func:`quantize_and_store_kv` (no device synchronisation).
 
@@ -35,9 +34,7 @@ def check_store_args(
     if kv.dtype != torch.bfloat16:
         raise TypeError(f"kv: expected dtype torch.bfloat16, got {kv.dtype}")
     if kv.dim() != 2 or kv.shape[1] != lay.d_qk:
-        raise ValueError(
-            f"kv: expected shape [n, {lay.d_qk}] (d_qk of the {lay.name} cache), got {list(kv.shape)}"
-        )
+        raise ValueError(f"kv: expected shape [n, {lay.d_qk}] (d_qk of the {lay.name} cache), got {list(kv.shape)}")
     if kv.numel() and kv.stride(1) != 1:
         raise ValueError(f"kv: the last dimension must be contiguous (stride 1), got strides {list(kv.stride())}")
     if not isinstance(slot_mapping, torch.Tensor):
@@ -49,11 +46,15 @@ def check_store_args(
     if kv.device != k_cache.device:
         raise ValueError(f"kv: expected a tensor on {k_cache.device} (where k_cache is), got {kv.device}")
     if slot_mapping.device != k_cache.device:
-        raise ValueError(f"slot_mapping: expected a tensor on {k_cache.device} (where k_cache is), got {slot_mapping.device}")
+        raise ValueError(
+            f"slot_mapping: expected a tensor on {k_cache.device} (where k_cache is), got {slot_mapping.device}"
+        )
     # the kernel stores float32 scales (V32) and int16 RoPE halves through typed pointers
     align = 4 if lay.name == "V32" else 2
     raw = cache_bytes(k_cache)
-    if k_cache.numel() and (raw.data_ptr() % align or raw.stride(0) % align or (raw.shape[1] > 1 and raw.stride(1) % align)):
+    if k_cache.numel() and (
+        raw.data_ptr() % align or raw.stride(0) % align or (raw.shape[1] > 1 and raw.stride(1) % align)
+    ):
         raise ValueError(
             f"k_cache: the {lay.name} layout needs its start and block/token strides aligned to {align} bytes, "
             f"got offset {raw.data_ptr() % 16} mod 16 and strides {list(raw.stride())}"
@@ -85,5 +86,3 @@ def check_abs_index_args(abs_indices: torch.Tensor, block_table: torch.Tensor, p
         )
     if block_table.device != abs_indices.device:
         raise ValueError("block_table: must be on the same device as abs_indices")
-
-

@@ -11,6 +11,7 @@ One program converts ``BLOCK`` positions of one ``(batch, s_q)`` row. A position
 ``-1``) when it is negative, its logical block lies outside the block table, or the table entry
 is negative (an unallocated block).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,10 +26,21 @@ __all__ = ["abs_indices_to_kvcache_indices_triton"]
 
 @triton.jit
 def _abs_to_cache_kernel(
-    abs_ptr, stride_ab, stride_as, stride_at,
-    bt_ptr, stride_tb, stride_tn, n_log,
-    out_ptr, stride_ob, stride_os, stride_ot,
-    s_q, topk, pbs,
+    abs_ptr,
+    stride_ab,
+    stride_as,
+    stride_at,
+    bt_ptr,
+    stride_tb,
+    stride_tn,
+    n_log,
+    out_ptr,
+    stride_ob,
+    stride_os,
+    stride_ot,
+    s_q,
+    topk,
+    pbs,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -49,7 +61,7 @@ def _abs_to_cache_kernel(
 
 
 def abs_indices_to_kvcache_indices_triton(
-    abs_indices: torch.Tensor, block_table: torch.Tensor, page_block_size: int, out: "torch.Tensor | None" = None
+    abs_indices: torch.Tensor, block_table: torch.Tensor, page_block_size: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Triton twin of :func:`sparse_mla.kvcache.abs_indices_to_kvcache_indices` (identical results).
 
@@ -79,7 +91,9 @@ def abs_indices_to_kvcache_indices_triton(
         if not isinstance(out, torch.Tensor) or out.dtype != torch.int32:
             raise TypeError("out: expected an int32 tensor [b, s_q, topk]")
         if tuple(out.shape) != (b, s_q, topk) or out.device != abs_indices.device:
-            raise ValueError(f"out: expected shape {[b, s_q, topk]} on {abs_indices.device}, got {list(out.shape)} on {out.device}")
+            raise ValueError(
+                f"out: expected shape {[b, s_q, topk]} on {abs_indices.device}, got {list(out.shape)} on {out.device}"
+            )
     if out.numel() == 0:
         return out
     dev = abs_indices.device
@@ -94,10 +108,18 @@ def abs_indices_to_kvcache_indices_triton(
     block = min(1024, triton.next_power_of_2(topk))
     grid = (b * s_q, triton.cdiv(topk, block))
     _abs_to_cache_kernel[grid](
-        abs_indices, *abs_indices.stride(),
-        bt, bt.stride(0), bt.stride(1), n_log,
-        out, *out.stride(),
-        s_q, topk, page_block_size,
-        BLOCK=block, num_warps=4,
+        abs_indices,
+        *abs_indices.stride(),
+        bt,
+        bt.stride(0),
+        bt.stride(1),
+        n_log,
+        out,
+        *out.stride(),
+        s_q,
+        topk,
+        page_block_size,
+        BLOCK=block,
+        num_warps=4,
     )
     return out

@@ -24,6 +24,7 @@ Each op runs the Triton kernels on CUDA and under ``TRITON_INTERPRET=1``, and th
 reference otherwise (CPU without the interpreter). Importing this module imports neither Triton nor
 the kernels: they are imported when an op first runs.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -36,7 +37,14 @@ from ..problem import DecodeProblem, empty_outputs, is_empty, validate_sparse_de
 from ..runtime import use_triton
 from ..scheduler import META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
 
-__all__ = ["sparse_decode", "schedule_tensors", "combine", "quantize_and_store_kv", "abs_indices_to_kvcache_indices", "OPS"]
+__all__ = [
+    "sparse_decode",
+    "schedule_tensors",
+    "combine",
+    "quantize_and_store_kv",
+    "abs_indices_to_kvcache_indices",
+    "OPS",
+]
 
 #: the registered operator names
 OPS = (
@@ -50,7 +58,11 @@ D_V = 512
 
 
 def _check_sched_tensors(
-    q: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor, main_blocks: torch.Tensor, num_blocks: torch.Tensor
+    q: torch.Tensor,
+    metadata: torch.Tensor,
+    num_splits: torch.Tensor,
+    main_blocks: torch.Tensor,
+    num_blocks: torch.Tensor,
 ) -> None:
     b = q.shape[0]
     for name, t, shape in (
@@ -66,12 +78,20 @@ def _check_sched_tensors(
         if shape is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
     if metadata.dim() != 2 or metadata.shape[1] != len(META_FIELDS) or metadata.shape[0] < 1:
-        raise ValueError(f"tile_scheduler_metadata: expected shape [num_sm_parts >= 1, {len(META_FIELDS)}], got {list(metadata.shape)}")
+        raise ValueError(
+            f"tile_scheduler_metadata: expected shape [num_sm_parts >= 1, {len(META_FIELDS)}], got {list(metadata.shape)}"
+        )
 
 
 def bound_schedule_tensors(
-    metadata: torch.Tensor, num_splits: torch.Tensor, main_blocks: torch.Tensor, num_blocks: torch.Tensor,
-    b: int, topk: int, extra_topk: int, rows: int,
+    metadata: torch.Tensor,
+    num_splits: torch.Tensor,
+    main_blocks: torch.Tensor,
+    num_blocks: torch.Tensor,
+    b: int,
+    topk: int,
+    extra_topk: int,
+    rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The scheduler tensors clamped to what the kernels can address (device ops only, no sync).
 
@@ -123,8 +143,15 @@ def _sparse_decode_op(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     p = validate_sparse_decode(
-        q=q, k_cache=k_cache, indices=indices, head_dim_v=D_V, softmax_scale=sm_scale, attn_sink=attn_sink,
-        extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices, topk_length=topk_length,
+        q=q,
+        k_cache=k_cache,
+        indices=indices,
+        head_dim_v=D_V,
+        softmax_scale=sm_scale,
+        attn_sink=attn_sink,
+        extra_k_cache=extra_k_cache,
+        extra_indices_in_kvcache=extra_indices,
+        topk_length=topk_length,
         extra_topk_length=extra_topk_length,
     )
     if is_empty(p):
@@ -139,10 +166,16 @@ def _sparse_decode_op(
     on_host = q.device.type == "cpu"
     if on_host:
         # checkable without a sync: values the scheduler cannot have made are an error here
-        for name, t, ok in zip(("tile_scheduler_metadata", "num_splits", "main_blocks", "num_blocks"),
-                               (tile_scheduler_metadata, num_splits, main_blocks, num_blocks), bounded):
+        for name, t, ok in zip(
+            ("tile_scheduler_metadata", "num_splits", "main_blocks", "num_blocks"),
+            (tile_scheduler_metadata, num_splits, main_blocks, num_blocks),
+            bounded,
+            strict=True,
+        ):
             if not torch.equal(t, ok):
-                raise ValueError(f"{name}: values out of range for this call (use schedule_tensors() of a filled scheduler)")
+                raise ValueError(
+                    f"{name}: values out of range for this call (use schedule_tensors() of a filled scheduler)"
+                )
         ns = num_splits.tolist()
         split = any(ns[i + 1] - ns[i] > 1 for i in range(len(ns) - 1))
         if split and not any_split:
@@ -168,8 +201,23 @@ def _sparse_decode_op(
 
 
 @_sparse_decode_op.register_fake
-def _(q, k_cache, indices, tile_scheduler_metadata, num_splits, main_blocks, num_blocks, any_split, sm_scale,
-      topk_length=None, attn_sink=None, extra_k_cache=None, extra_indices=None, extra_topk_length=None, backend="auto"):
+def _(
+    q,
+    k_cache,
+    indices,
+    tile_scheduler_metadata,
+    num_splits,
+    main_blocks,
+    num_blocks,
+    any_split,
+    sm_scale,
+    topk_length=None,
+    attn_sink=None,
+    extra_k_cache=None,
+    extra_indices=None,
+    extra_topk_length=None,
+    backend="auto",
+):
     b, s_q, h_q, _ = q.shape
     out = q.new_empty((b, s_q, h_q, D_V), dtype=torch.bfloat16)
     lse = q.new_empty((b, h_q, s_q), dtype=torch.float32)
@@ -193,24 +241,73 @@ def schedule_tensors(tile_scheduler_metadata: FlashMLASchedMeta) -> dict:
         )
     plan = tile_scheduler_metadata.plan
     if not tile_scheduler_metadata.have_initialized or plan is None:
-        raise ValueError("tile_scheduler_metadata: not filled yet; call sparse_decode (or flash_mla_with_kvcache) once first")
+        raise ValueError(
+            "tile_scheduler_metadata: not filled yet; call sparse_decode (or flash_mla_with_kvcache) once first"
+        )
     return _plan_tensors(plan)
 
 
 def _plan_tensors(plan: DecodePlan) -> dict:
     t = plan.table
     return dict(
-        tile_scheduler_metadata=t.metadata, num_splits=t.num_splits, main_blocks=t.main_blocks,
-        num_blocks=t.num_blocks_t, any_split=t.any_split, backend=plan.backend.name,
+        tile_scheduler_metadata=t.metadata,
+        num_splits=t.num_splits,
+        main_blocks=t.main_blocks,
+        num_blocks=t.num_blocks_t,
+        any_split=t.any_split,
+        backend=plan.backend.name,
     )
 
 
 def call_sparse_decode_op(p: DecodeProblem, plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.sparse_mla.sparse_decode`` on a validated problem and its plan."""
     return torch.ops.sparse_mla.sparse_decode(
-        p.q, p.k_cache, p.indices, **_plan_tensors(plan), sm_scale=p.sm_scale, topk_length=p.topk_length,
-        attn_sink=p.attn_sink, extra_k_cache=p.extra_k_cache, extra_indices=p.extra_indices,
+        p.q,
+        p.k_cache,
+        p.indices,
+        **_plan_tensors(plan),
+        sm_scale=p.sm_scale,
+        topk_length=p.topk_length,
+        attn_sink=p.attn_sink,
+        extra_k_cache=p.extra_k_cache,
+        extra_indices=p.extra_indices,
         extra_topk_length=p.extra_topk_length,
+    )
+
+
+def traced_sparse_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    softmax_scale: Optional[float] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+    extra_k_cache: Optional[torch.Tensor] = None,
+    extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+    extra_topk_length: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode as ``torch.compile`` traces it: straight to the custom op, with the plan of an
+    already filled scheduler object. The op validates every argument when it runs (the checks read
+    storage offsets and sizes, which the tracer cannot follow)."""
+    plan = tile_scheduler_metadata.plan
+    if plan is None:
+        raise ValueError(
+            "tile_scheduler_metadata: not filled yet; torch.compile cannot trace its first fill (a host "
+            "read of topk_length): make one eager call with it before the compiled one"
+        )
+    sm_scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return torch.ops.sparse_mla.sparse_decode(
+        q,
+        k_cache,
+        indices,
+        **_plan_tensors(plan),
+        sm_scale=sm_scale,
+        topk_length=topk_length,
+        attn_sink=attn_sink,
+        extra_k_cache=extra_k_cache,
+        extra_indices=extra_indices_in_kvcache,
+        extra_topk_length=extra_topk_length,
     )
 
 
@@ -243,9 +340,29 @@ def sparse_decode(
             "tile_scheduler_metadata: expected the FlashMLASchedMeta from get_mla_metadata(), "
             f"got {type(tile_scheduler_metadata).__name__}"
         )
+    if torch.compiler.is_compiling():
+        return traced_sparse_decode(
+            q,
+            k_cache,
+            indices,
+            tile_scheduler_metadata,
+            softmax_scale,
+            topk_length,
+            attn_sink,
+            extra_k_cache,
+            extra_indices_in_kvcache,
+            extra_topk_length,
+        )
     p = validate_sparse_decode(
-        q=q, k_cache=k_cache, indices=indices, head_dim_v=D_V, softmax_scale=softmax_scale, attn_sink=attn_sink,
-        extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
+        q=q,
+        k_cache=k_cache,
+        indices=indices,
+        head_dim_v=D_V,
+        softmax_scale=softmax_scale,
+        attn_sink=attn_sink,
+        extra_k_cache=extra_k_cache,
+        extra_indices_in_kvcache=extra_indices_in_kvcache,
+        topk_length=topk_length,
         extra_topk_length=extra_topk_length,
     )
     if is_empty(p):
@@ -284,7 +401,11 @@ def _check_combine(o_accum, lse_accum, num_splits, out, lse, attn_sink) -> None:
     if o_accum.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("o_accum / out: the last dimension must be contiguous")
     if attn_sink is not None:
-        if not isinstance(attn_sink, torch.Tensor) or attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (h_q,):
+        if (
+            not isinstance(attn_sink, torch.Tensor)
+            or attn_sink.dtype != torch.float32
+            or tuple(attn_sink.shape) != (h_q,)
+        ):
             raise ValueError(f"attn_sink: expected a float32 tensor of shape [{h_q}]")
         if attn_sink.device != out.device:
             raise ValueError(f"attn_sink: expected a tensor on {out.device}")
@@ -363,7 +484,9 @@ def _(kv, slot_mapping, k_cache):
 
 
 @torch.library.custom_op("sparse_mla::abs_indices_to_kvcache_indices", mutates_args=())
-def abs_indices_to_kvcache_indices(abs_indices: torch.Tensor, block_table: torch.Tensor, page_block_size: int) -> torch.Tensor:
+def abs_indices_to_kvcache_indices(
+    abs_indices: torch.Tensor, block_table: torch.Tensor, page_block_size: int
+) -> torch.Tensor:
     """Logical top-k positions -> cache indices (``torch.ops.sparse_mla.abs_indices_to_kvcache_indices``).
 
     See :func:`sparse_mla.serving.index_convert.abs_indices_to_kvcache_indices_triton`: abs_indices

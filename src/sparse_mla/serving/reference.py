@@ -3,6 +3,7 @@ quantise-and-store (:mod:`.store`) and the index conversion (:mod:`.index_conver
 
 ``abs_indices_to_kvcache_indices`` is also public API (``sparse_mla.abs_indices_to_kvcache_indices``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,7 +45,9 @@ def quantize_and_store_kv_reference(kv: torch.Tensor, slot_mapping: torch.Tensor
     blk, off = slots // pbs, slots % pbs
     if lay.name == "V32":
         span = (nb - 1) * raw.stride(0) + (pbs - 1) * raw.stride(1) + lay.bytes_per_token
-        dst = (blk * raw.stride(0) + off * raw.stride(1)).unsqueeze(1) + torch.arange(lay.bytes_per_token, device=raw.device)
+        dst = (blk * raw.stride(0) + off * raw.stride(1)).unsqueeze(1) + torch.arange(
+            lay.bytes_per_token, device=raw.device
+        )
         src = rec[:, : lay.bytes_per_token]
     else:
         span = (nb - 1) * raw.stride(0) + pbs * lay.bytes_per_token
@@ -52,8 +55,12 @@ def quantize_and_store_kv_reference(kv: torch.Tensor, slot_mapping: torch.Tensor
         ar_d = torch.arange(lay.data_bytes, device=raw.device)
         ar_s = torch.arange(lay.scale_section_bytes, device=raw.device)
         dst = torch.cat(
-            [(base + off * lay.data_bytes).unsqueeze(1) + ar_d,
-             (base + pbs * lay.data_bytes + off * lay.scale_section_bytes).unsqueeze(1) + ar_s], dim=1)
+            [
+                (base + off * lay.data_bytes).unsqueeze(1) + ar_d,
+                (base + pbs * lay.data_bytes + off * lay.scale_section_bytes).unsqueeze(1) + ar_s,
+            ],
+            dim=1,
+        )
         src = rec[:, : lay.data_bytes + lay.scale_section_bytes]
     flat = raw.as_strided((span,), (1,))
     flat[dst.reshape(-1)] = src.reshape(-1).to(raw.device)

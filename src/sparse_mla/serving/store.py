@@ -34,9 +34,8 @@ in other engines' cache writers: give distinct slots.
 Non-finite inputs (inf/NaN in ``kv``) are not supported: the bytes written for such a tile are
 unspecified.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import triton
@@ -74,11 +73,24 @@ def _e4m3_rtne_bits(y):
 
 @triton.jit
 def _quantize_store_kernel(
-    kv_ptr, stride_kv,
-    slot_ptr, stride_slot,
-    cache_ptr, stride_blk, stride_tok, pbs, num_slots, n,
-    IS_V32: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DATA_BYTES: tl.constexpr,
-    TILE: tl.constexpr, NUM_TILES: tl.constexpr, TILES_P2: tl.constexpr, SCALE_REC: tl.constexpr,
+    kv_ptr,
+    stride_kv,
+    slot_ptr,
+    stride_slot,
+    cache_ptr,
+    stride_blk,
+    stride_tok,
+    pbs,
+    num_slots,
+    n,
+    IS_V32: tl.constexpr,
+    D_NOPE: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    DATA_BYTES: tl.constexpr,
+    TILE: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+    TILES_P2: tl.constexpr,
+    SCALE_REC: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -135,9 +147,9 @@ def quantize_and_store_kv(
     kv: torch.Tensor,
     slot_mapping: torch.Tensor,
     k_cache: torch.Tensor,
-    layout: Optional[LayoutLike] = None,
+    layout: LayoutLike | None = None,
     *,
-    block_t: Optional[int] = None,
+    block_t: int | None = None,
 ) -> None:
     """Quantise new tokens' latent KV and write them in place into a paged FP8 cache.
 
@@ -183,7 +195,9 @@ def quantize_and_store_kv(
     launch(kv, slot_mapping, k_cache, lay, block_t)
 
 
-def launch(kv: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, lay: KVCacheLayout, block_t: int) -> None:
+def launch(
+    kv: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, lay: KVCacheLayout, block_t: int
+) -> None:
     """Launch the kernel on validated arguments (no slot-range check: the kernel masks bad slots)."""
     require_runnable(_quantize_store_kernel, k_cache.device)
     raw = cache_bytes(k_cache)
@@ -191,11 +205,23 @@ def launch(kv: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, 
     n = kv.shape[0]
     grid = (triton.cdiv(n, block_t),)
     _quantize_store_kernel[grid](
-        kv, kv.stride(0),
-        slot_mapping, slot_mapping.stride(0),
-        raw, raw.stride(0), raw.stride(1), pbs, nb * pbs, n,
-        IS_V32=lay.name == "V32", D_NOPE=lay.d_nope, D_ROPE=lay.d_rope, DATA_BYTES=lay.data_bytes,
-        TILE=lay.tile, NUM_TILES=lay.num_tiles, TILES_P2=triton.next_power_of_2(lay.num_tiles),
+        kv,
+        kv.stride(0),
+        slot_mapping,
+        slot_mapping.stride(0),
+        raw,
+        raw.stride(0),
+        raw.stride(1),
+        pbs,
+        nb * pbs,
+        n,
+        IS_V32=lay.name == "V32",
+        D_NOPE=lay.d_nope,
+        D_ROPE=lay.d_rope,
+        DATA_BYTES=lay.data_bytes,
+        TILE=lay.tile,
+        NUM_TILES=lay.num_tiles,
+        TILES_P2=triton.next_power_of_2(lay.num_tiles),
         SCALE_REC=lay.scale_section_bytes,
         BLOCK_T=block_t,
         num_warps=4,

@@ -19,6 +19,7 @@ The Triton interpreter must be chosen before Triton compiles anything, so this m
 nothing from Triton or the kernel modules at import time; ``demo`` sets ``TRITON_INTERPRET=1``
 (unless already set) before the first kernel module is imported when it runs on the CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,14 +27,20 @@ import contextlib
 import importlib
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from rich.console import Console
 
 __all__ = [
-    "main", "build_parser", "COMMANDS", "describe_import_error", "kernel_import_error", "quiet_interpreter",
+    "main",
+    "build_parser",
+    "COMMANDS",
+    "describe_import_error",
+    "kernel_import_error",
+    "quiet_interpreter",
     "triton_version",
 ]
 
@@ -69,7 +76,7 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
-def _make_console() -> "Console":
+def _make_console() -> Console:
     from rich.console import Console
 
     console = Console(highlight=False)
@@ -117,7 +124,7 @@ def describe_import_error(e: ImportError) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def kernel_import_error(modules: Sequence[str] = (KERNEL_MODULE,)) -> Optional[str]:
+def kernel_import_error(modules: Sequence[str] = (KERNEL_MODULE,)) -> str | None:
     """Import the kernel modules; ``None`` when they import, else why they cannot (for the user).
 
     Call it after ``TRITON_INTERPRET`` has been decided: with ``TRITON_INTERPRET=1`` Triton
@@ -162,7 +169,7 @@ def quiet_interpreter() -> Iterator[None]:
 # demo sections
 
 
-def _section_config(console: "Console") -> None:
+def _section_config(console: Console) -> None:
     from rich.table import Table
 
     from ..formats import V32
@@ -186,7 +193,7 @@ def _section_config(console: "Console") -> None:
     console.print(t)
 
 
-def _section_token(console: "Console", seed: int) -> None:
+def _section_token(console: Console, seed: int) -> None:
     import torch
     from rich.table import Table
 
@@ -225,7 +232,10 @@ def _section_token(console: "Console", seed: int) -> None:
         amax = kf[i * 128 : (i + 1) * 128].abs().max().item()
         sc = scales[i].item()
         t.add_row(
-            str(i), f"{i * 128}-{i * 128 + 127}", f"{amax:g}", f"{amax / 448:.6f}",
+            str(i),
+            f"{i * 128}-{i * 128 + 127}",
+            f"{amax:g}",
+            f"{amax / 448:.6f}",
             f"{_pow2(sc)} = {sc:.9g}" + ("  (1e-4 floor)" if amax / 448 < 1e-4 else ""),
             _hex(raw[512 + 4 * i : 516 + 4 * i].tolist()),
         )
@@ -247,12 +257,24 @@ def _section_token(console: "Console", seed: int) -> None:
     t.add_column("content")
     t.add_column("first bytes (hex)")
     rope_hex = _hex(raw[V32.rope_offset : V32.rope_offset + 6].tolist())
-    t.add_row(f"0-{V32.d_nope - 1}", str(V32.d_nope), "512 x float8_e4m3 NoPE values (x / scale of their tile)",
-              _hex(raw[0:6].tolist()) + " ...")
-    t.add_row(f"{V32.scale_offset}-{V32.scale_offset + 15}", "16", "4 x float32 scales, one per 128 values",
-              _hex(raw[512:518].tolist()) + " ...")
-    t.add_row(f"{V32.rope_offset}-{V32.bytes_per_token - 1}", str(2 * V32.d_rope),
-              "64 x bfloat16 RoPE values (not quantised)", rope_hex + " ...")
+    t.add_row(
+        f"0-{V32.d_nope - 1}",
+        str(V32.d_nope),
+        "512 x float8_e4m3 NoPE values (x / scale of their tile)",
+        _hex(raw[0:6].tolist()) + " ...",
+    )
+    t.add_row(
+        f"{V32.scale_offset}-{V32.scale_offset + 15}",
+        "16",
+        "4 x float32 scales, one per 128 values",
+        _hex(raw[512:518].tolist()) + " ...",
+    )
+    t.add_row(
+        f"{V32.rope_offset}-{V32.bytes_per_token - 1}",
+        str(2 * V32.d_rope),
+        "64 x bfloat16 RoPE values (not quantised)",
+        rope_hex + " ...",
+    )
     t.add_row("total", str(V32.bytes_per_token), "vs 1152 B as 576 x bf16", "")
     console.print(t)
     nope_err = (deq[:512] - kf[:512]).abs().view(4, 128).amax(-1) / kf[:512].abs().view(4, 128).amax(-1)
@@ -277,14 +299,16 @@ def _section_token(console: "Console", seed: int) -> None:
     )
 
 
-def _section_schedule(console: "Console") -> Any:
+def _section_schedule(console: Console) -> Any:
     from rich.table import Table
 
     from ..decode.backends import small_head_tile as heads_per_cta
     from ..scheduler import FIXED_OVERHEAD_NUM_BLOCKS, META_FIELDS, batch_num_blocks, compute_num_sm_parts, schedule
 
     b, s_q, h_q, topk = SEED_B, SEED_S_Q, SEED_H_Q, SEED_TOPK
-    console.rule(f"[bold]c. Tile scheduler: {SEED_NUM_SMS} SMs, b={b}, s_q={s_q}, h_q={h_q}, topk={topk} (walkthrough step 3)")
+    console.rule(
+        f"[bold]c. Tile scheduler: {SEED_NUM_SMS} SMs, b={b}, s_q={s_q}, h_q={h_q}, topk={topk} (walkthrough step 3)"
+    )
     hpc = heads_per_cta(h_q)
     parts = compute_num_sm_parts(SEED_NUM_SMS, s_q, h_q, hpc)
     main_blocks, num_blocks = batch_num_blocks(b, topk)
@@ -321,7 +345,7 @@ def _section_schedule(console: "Console") -> Any:
     return table
 
 
-def _section_decode(console: "Console", args: argparse.Namespace, device: "torch.device", sched_table: Any) -> int:
+def _section_decode(console: Console, args: argparse.Namespace, device: torch.device, sched_table: Any) -> int:
     import torch
     from rich.table import Table
 
@@ -332,7 +356,9 @@ def _section_decode(console: "Console", args: argparse.Namespace, device: "torch
 
     b, s_q, h_q, topk, pbs = SEED_B, SEED_S_Q, SEED_H_Q, SEED_TOPK, SEED_PAGE_BLOCK
     d_qk, d_v = 576, 512
-    console.rule(f"[bold]d. Sparse decode: b={b}, s_q={s_q}, h_q={h_q}, topk={topk}, page_block_size={pbs}, d_qk={d_qk}")
+    console.rule(
+        f"[bold]d. Sparse decode: b={b}, s_q={s_q}, h_q={h_q}, topk={topk}, page_block_size={pbs}, d_qk={d_qk}"
+    )
 
     # which path runs: the interface takes Triton on CUDA, and on the CPU iff TRITON_INTERPRET=1
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -377,9 +403,11 @@ def _section_decode(console: "Console", args: argparse.Namespace, device: "torch
     sched_meta, _ = sparse_mla.get_mla_metadata(num_sms=SEED_NUM_SMS)
     if args.reference and device.type == "cuda":
         # the API always runs the kernels on CUDA: call the reference twin with the same schedule
-        console.print("call: sparse_decode_split_reference(q, k_cache, indices, <table c>)  "
-                      "[dim](flash_mla_with_kvcache always takes the kernels on CUDA)[/dim]")
-        o32, lse = sparse_decode_split_reference(q, k_cache, indices, sched_table.to(device), d_qk ** -0.5, d_v)
+        console.print(
+            "call: sparse_decode_split_reference(q, k_cache, indices, <table c>)  "
+            "[dim](flash_mla_with_kvcache always takes the kernels on CUDA)[/dim]"
+        )
+        o32, lse = sparse_decode_split_reference(q, k_cache, indices, sched_table.to(device), d_qk**-0.5, d_v)
         out = o32.to(torch.bfloat16)
     else:
         console.print(
@@ -389,31 +417,63 @@ def _section_decode(console: "Console", args: argparse.Namespace, device: "torch
         ctx = _env("TRITON_INTERPRET", "0") if (args.reference and device.type == "cpu") else contextlib.nullcontext()
         with ctx, quiet_interpreter():
             out, lse = sparse_mla.flash_mla_with_kvcache(
-                q, k_cache, None, None, head_dim_v=d_v, tile_scheduler_metadata=sched_meta,
-                is_fp8_kvcache=True, indices=indices,
+                q,
+                k_cache,
+                None,
+                None,
+                head_dim_v=d_v,
+                tile_scheduler_metadata=sched_meta,
+                is_fp8_kvcache=True,
+                indices=indices,
             )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-    ref_out, ref_lse = sparse_decode_reference(q, k_cache, indices, d_qk ** -0.5, d_v)
+    ref_out, ref_lse = sparse_decode_reference(q, k_cache, indices, d_qk**-0.5, d_v)
 
-    checks: list[tuple[str, str, str, Optional[bool]]] = []  # (what, value, bound, ok; None = info)
+    checks: list[tuple[str, str, str, bool | None]] = []  # (what, value, bound, ok; None = info)
     want_out, want_lse = (b, s_q, h_q, d_v), (b, h_q, s_q)
-    checks.append(("out shape / dtype", f"{list(out.shape)} {str(out.dtype).replace('torch.', '')}",
-                   f"{list(want_out)} bfloat16", tuple(out.shape) == want_out and out.dtype == torch.bfloat16))
-    checks.append(("lse shape / dtype", f"{list(lse.shape)} {str(lse.dtype).replace('torch.', '')}",
-                   f"{list(want_lse)} float32", tuple(lse.shape) == want_lse and lse.dtype == torch.float32))
+    checks.append(
+        (
+            "out shape / dtype",
+            f"{list(out.shape)} {str(out.dtype).replace('torch.', '')}",
+            f"{list(want_out)} bfloat16",
+            tuple(out.shape) == want_out and out.dtype == torch.bfloat16,
+        )
+    )
+    checks.append(
+        (
+            "lse shape / dtype",
+            f"{list(lse.shape)} {str(lse.dtype).replace('torch.', '')}",
+            f"{list(want_lse)} float32",
+            tuple(lse.shape) == want_lse and lse.dtype == torch.float32,
+        )
+    )
     if tuple(out.shape) == want_out and tuple(lse.shape) == want_lse:
         tol = FLASHMLA_DECODE
         c = decode_closeness(out, lse, ref_out, ref_lse, tol)
         o, r = out.double(), ref_out.double()
         cos_sim = (o * r).sum().item() / max((o.norm() * r.norm()).item(), 1e-300)
-        checks.append(("out max |Δ|", f"{c.out_max_abs_err:.3e}", f"{tol.out_abs:g} + {tol.out_rel * 128:g}/128·|ref| (elementwise)",
-                       c.out_within))
+        checks.append(
+            (
+                "out max |Δ|",
+                f"{c.out_max_abs_err:.3e}",
+                f"{tol.out_abs:g} + {tol.out_rel * 128:g}/128·|ref| (elementwise)",
+                c.out_within,
+            )
+        )
         checks.append(("out cosine similarity", f"{cos_sim:.9f}", "", None))
-        checks.append(("out cosine distance", f"{c.out_cos_dist:.3e}", f"1 − 2Σxy/Σ(x²+y²) ≤ {tol.out_cos:g}", c.cos_within))
-        checks.append(("lse max |Δ|", f"{c.lse_max_abs_err:.3e}", f"{tol.lse_abs:g} + {tol.lse_rel * 65536:g}/65536·|ref| (elementwise)",
-                       c.lse_within))
+        checks.append(
+            ("out cosine distance", f"{c.out_cos_dist:.3e}", f"1 − 2Σxy/Σ(x²+y²) ≤ {tol.out_cos:g}", c.cos_within)
+        )
+        checks.append(
+            (
+                "lse max |Δ|",
+                f"{c.lse_max_abs_err:.3e}",
+                f"{tol.lse_abs:g} + {tol.lse_rel * 65536:g}/65536·|ref| (elementwise)",
+                c.lse_within,
+            )
+        )
     if not (args.reference and device.type == "cuda"):
         same = (
             sched_meta.tile_scheduler_metadata is not None
@@ -446,7 +506,7 @@ def _section_decode(console: "Console", args: argparse.Namespace, device: "torch
     return 0 if passed else 1
 
 
-def _section_combine(console: "Console") -> None:
+def _section_combine(console: Console) -> None:
     import torch
     from rich.table import Table
 
@@ -461,8 +521,8 @@ def _section_combine(console: "Console") -> None:
     t.add_column("lse_accum (log2)", justify="right")
     t.add_column("w = 2^(lse − max)", justify="right")
     t.add_column("w / Σw", justify="right")
-    for i, (l, wi) in enumerate(zip(lse2.tolist(), w.tolist())):
-        t.add_row(str(i), f"{l:g}", f"2^({l:g} − {m:g}) = {wi:.4f}", f"{wi / tot.item():.4f}")
+    for i, (lj, wi) in enumerate(zip(lse2.tolist(), w.tolist(), strict=True)):
+        t.add_row(str(i), f"{lj:g}", f"2^({lj:g} − {m:g}) = {wi:.4f}", f"{wi / tot.item():.4f}")
     console.print(t)
     lse_nat = (torch.log2(tot) + m).item() / LOG2E
     console.print(
@@ -479,7 +539,7 @@ def _section_combine(console: "Console") -> None:
 # commands
 
 
-def _pick_device(choice: str) -> "torch.device":
+def _pick_device(choice: str) -> torch.device:
     import torch
 
     if choice == "auto":
@@ -543,6 +603,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
+    from .serve_sim import add_arguments as _serve_sim_arguments
+    from .serve_sim import seed_type
 
     p = argparse.ArgumentParser(
         prog="sparse-mla",
@@ -552,17 +614,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     demo = sub.add_parser("demo", help=COMMANDS["demo"][0], description=COMMANDS["demo"][0])
-    demo.add_argument("--seed", type=int, default=0, help="random seed of the demo's inputs (default 0)")
+    demo.add_argument("--seed", type=seed_type, default=0, help="random seed of the demo's inputs (default 0)")
     demo.add_argument(
-        "--reference", action="store_true",
+        "--reference",
+        action="store_true",
         help="run the decode through the PyTorch reference instead of the Triton kernels",
     )
     demo.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto",
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
         help="auto (default): CUDA when torch.cuda.is_available(), else the CPU (Triton interpreter)",
     )
     demo.set_defaults(func=COMMANDS["demo"][1])
-    from .serve_sim import add_arguments as _serve_sim_arguments
 
     sim = sub.add_parser("serve-sim", help=COMMANDS["serve-sim"][0], description=COMMANDS["serve-sim"][0])
     _serve_sim_arguments(sim)
@@ -570,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``sparse-mla`` and ``python -m sparse_mla``; returns the exit status."""
     args = build_parser().parse_args(argv)
     return int(args.func(args))

@@ -34,6 +34,7 @@ cache (FlashMLA's own test tolerances, docs/design.md section 6) and the appende
 The Triton kernels are imported lazily, so the CLI can set ``TRITON_INTERPRET=1`` first on a
 machine without a GPU (tiny defaults then run in seconds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -51,7 +52,13 @@ from ..formats import get_layout, quantize_k_cache
 from ..plan import get_mla_metadata
 
 __all__ = [
-    "ServeSimConfig", "ServeSim", "default_config", "add_arguments", "cli_main", "json_path_problem", "CPU_DEFAULTS",
+    "ServeSimConfig",
+    "ServeSim",
+    "default_config",
+    "add_arguments",
+    "cli_main",
+    "json_path_problem",
+    "CPU_DEFAULTS",
     "GPU_DEFAULTS",
 ]
 
@@ -59,7 +66,6 @@ __all__ = [
 CPU_DEFAULTS = dict(batch=2, topk=64, max_context=256, steps=4, h_q=16, page_block_size=64)
 #: DeepSeek-V3.2 decode sizes for a GPU
 GPU_DEFAULTS = dict(batch=64, topk=2048, max_context=32768, steps=200, h_q=128, page_block_size=64)
-
 
 
 @dataclass
@@ -85,7 +91,7 @@ class ServeSimConfig:
     batch: int = CPU_DEFAULTS["batch"]
     topk: int = CPU_DEFAULTS["topk"]
     max_context: int = CPU_DEFAULTS["max_context"]
-    min_context: Optional[int] = None
+    min_context: int | None = None
     steps: int = CPU_DEFAULTS["steps"]
     page_block_size: int = CPU_DEFAULTS["page_block_size"]
     h_q: int = CPU_DEFAULTS["h_q"]
@@ -93,15 +99,17 @@ class ServeSimConfig:
     cache_dtype: str = "fp8"
     use_graph: bool = True
     seed: int = 0
-    num_sms: Optional[int] = None
+    num_sms: int | None = None
     check: bool = True
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field."""
         for name in ("batch", "topk", "max_context", "steps", "page_block_size", "h_q", "seed"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and name != "seed") or v < 0:
-                raise ValueError(f"{name}: expected a {'non-negative' if name == 'seed' else 'positive'} int, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and name != "seed") or v < 0 or v > MAX_SEED:
+                raise ValueError(
+                    f"{name}: expected a {'non-negative' if name == 'seed' else 'positive'} int, got {v!r}"
+                )
         if self.h_q > 128:
             raise ValueError(f"h_q: must be <= 128, got {self.h_q}")
         get_layout(self.layout)
@@ -115,7 +123,9 @@ class ServeSimConfig:
                 f"max_context: {self.max_context} leaves no room for min_context {mc} plus {self.steps} steps "
                 "and one warm-up step; raise max_context or lower min_context/steps"
             )
-        if self.num_sms is not None and (isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or self.num_sms < 1):
+        if self.num_sms is not None and (
+            isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or self.num_sms < 1
+        ):
             raise ValueError(f"num_sms: expected a positive int or None, got {self.num_sms!r}")
 
     def resolved_min_context(self) -> int:
@@ -175,7 +185,7 @@ class ServeSim:
         ValueError: bad config or device.
     """
 
-    def __init__(self, cfg: ServeSimConfig, device: "str | torch.device" = "cpu") -> None:
+    def __init__(self, cfg: ServeSimConfig, device: str | torch.device = "cpu") -> None:
         cfg.validate()
         self.cfg = cfg
         self.device = torch.device(device)
@@ -191,7 +201,7 @@ class ServeSim:
         # device RNG: the default CUDA generator (CUDA-graph safe), a private one on the CPU
         if self.device.type == "cuda":
             torch.cuda.manual_seed(cfg.seed)
-            self._gen: Optional[torch.Generator] = None
+            self._gen: torch.Generator | None = None
         else:
             self._gen = torch.Generator().manual_seed(cfg.seed + 1)
         total = cfg.steps + 1  # + the warm-up step
@@ -205,7 +215,7 @@ class ServeSim:
         self.table_host = torch.full((self.B, self.max_blocks), -1, dtype=torch.int32)
         self.primes = _primes_above(max(cfg.max_context, cfg.topk), 64)
         self.meta, _ = get_mla_metadata(num_sms=cfg.num_sms)
-        self.graph: Optional[Any] = None
+        self.graph: Any | None = None
         self.steps_done = 0
         self._allocated = False
 
@@ -308,7 +318,14 @@ class ServeSim:
         abs_indices_to_kvcache_indices_triton(self.pos_buf, self.block_table, self.pbs, out=self.idx_buf)
         # 4. sparse decode
         return sparse_mla.flash_mla_with_kvcache(
-            self.q_buf, self.k_cache, None, None, 512, self.meta, is_fp8_kvcache=True, indices=self.idx_buf,
+            self.q_buf,
+            self.k_cache,
+            None,
+            None,
+            512,
+            self.meta,
+            is_fp8_kvcache=True,
+            indices=self.idx_buf,
         )
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,8 +388,13 @@ class ServeSim:
         if self.use_graph:
             self.capture()
         times = StepTimes()
-        cols = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[lat]}"), TimeRemainingColumn()]
+        cols = [
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[lat]}"),
+            TimeRemainingColumn(),
+        ]
         with Progress(*cols, console=console, disable=not progress, transient=False) as bar:
             task = bar.add_task("decode steps", total=self.cfg.steps, lat="")
             for _ in range(self.cfg.steps):
@@ -459,7 +481,8 @@ class ServeSim:
         else:
             d = (base + off * lay.data_bytes).unsqueeze(1) + torch.arange(lay.data_bytes, device=s.device)
             sc = (base + self.pbs * lay.data_bytes + off * lay.scale_section_bytes).unsqueeze(1) + torch.arange(
-                lay.scale_section_bytes, device=s.device)
+                lay.scale_section_bytes, device=s.device
+            )
             at = torch.cat([d, sc], dim=1)
         return flat[at]
 
@@ -467,7 +490,9 @@ class ServeSim:
         lay = self.lay
         q = quantize_k_cache(kv.view(-1, 1, 1, lay.d_qk), lay, out_dtype=torch.uint8)
         rows = q.as_strided((q.shape[0], lay.block_bytes(1)), (q.stride(0), 1))
-        return rows[:, : lay.bytes_per_token] if lay.name == "V32" else rows[:, : lay.data_bytes + lay.scale_section_bytes]
+        return (
+            rows[:, : lay.bytes_per_token] if lay.name == "V32" else rows[:, : lay.data_bytes + lay.scale_section_bytes]
+        )
 
     def _indices_ok(self) -> bool:
         idx = self.idx_buf.view(self.B, self.topk).cpu()
@@ -486,27 +511,58 @@ class ServeSim:
 # -------------------------------------------------------------------------------------------- CLI
 
 
+#: largest seed accepted (torch generators take 64-bit seeds; serve-sim also uses seed + 1)
+MAX_SEED = 2**63 - 2
+
+
+def seed_type(text: str) -> int:
+    """argparse type of ``--seed``: an int in [0, 2**63 - 2] (else a usage error, exit 2)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if not 0 <= v <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an int in [0, {MAX_SEED}], got {v}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``serve-sim`` options (defaults resolved per device: tiny on CPU, DeepSeek-V3.2 on CUDA)."""
     cpu, gpu = CPU_DEFAULTS, GPU_DEFAULTS
-    p.add_argument("--batch", "-b", type=int, default=None, help=f"requests B (default CPU {cpu['batch']}, CUDA {gpu['batch']})")
-    p.add_argument("--topk", type=int, default=None, help=f"indices per query (default CPU {cpu['topk']}, CUDA {gpu['topk']})")
-    p.add_argument("--max-context", type=int, default=None,
-                   help=f"longest context reached (default CPU {cpu['max_context']}, CUDA {gpu['max_context']})")
+    p.add_argument(
+        "--batch", "-b", type=int, default=None, help=f"requests B (default CPU {cpu['batch']}, CUDA {gpu['batch']})"
+    )
+    p.add_argument(
+        "--topk", type=int, default=None, help=f"indices per query (default CPU {cpu['topk']}, CUDA {gpu['topk']})"
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help=f"longest context reached (default CPU {cpu['max_context']}, CUDA {gpu['max_context']})",
+    )
     p.add_argument("--min-context", type=int, default=None, help="shortest initial context (default max_context // 8)")
-    p.add_argument("--steps", type=int, default=None, help=f"timed decode steps (default CPU {cpu['steps']}, CUDA {gpu['steps']})")
+    p.add_argument(
+        "--steps", type=int, default=None, help=f"timed decode steps (default CPU {cpu['steps']}, CUDA {gpu['steps']})"
+    )
     p.add_argument("--page-block-size", type=int, default=None, help="tokens per page block (default 64)")
     p.add_argument("--h-q", type=int, default=None, help=f"query heads (default CPU {cpu['h_q']}, CUDA {gpu['h_q']})")
     p.add_argument("--layout", choices=("V32", "MODEL1"), default="V32", help="cache layout (default V32, d_qk 576)")
     p.add_argument("--cache-dtype", choices=("fp8", "uint8"), default="fp8", help="cache tensor dtype (default fp8)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto (default): CUDA when available, else the CPU (Triton interpreter)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto (default): CUDA when available, else the CPU (Triton interpreter)",
+    )
     p.add_argument("--no-graph", action="store_true", help="run the steps eagerly instead of replaying a CUDA graph")
     p.add_argument("--no-check", action="store_true", help="skip the final check against the references")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--num-sms", type=int, default=None, help="schedule for this many SMs (default: the device's)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the results (and every step's latency) as JSON")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0; range checked with the other sizes)")
+    p.add_argument(
+        "--json", metavar="PATH", default=None, help="also write the results (and every step's latency) as JSON"
+    )
 
 
 #: the modules a simulation step imports (each needs Triton; on the CPU Triton's interpreter needs NumPy)
@@ -519,7 +575,7 @@ def _error(msg: str) -> int:
     return 2
 
 
-def json_path_problem(path: str) -> Optional[str]:
+def json_path_problem(path: str) -> str | None:
     """``None`` when ``--json PATH`` can be written, else why not; leaves no new file behind.
 
     Checked before the simulation, so that a typo does not cost a whole run.
@@ -561,9 +617,19 @@ def cli_main(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     cfg = default_config(
-        device, batch=args.batch, topk=args.topk, max_context=args.max_context, min_context=args.min_context,
-        steps=args.steps, page_block_size=args.page_block_size, h_q=args.h_q, layout=args.layout,
-        cache_dtype=args.cache_dtype, use_graph=not args.no_graph, seed=args.seed, num_sms=args.num_sms,
+        device,
+        batch=args.batch,
+        topk=args.topk,
+        max_context=args.max_context,
+        min_context=args.min_context,
+        steps=args.steps,
+        page_block_size=args.page_block_size,
+        h_q=args.h_q,
+        layout=args.layout,
+        cache_dtype=args.cache_dtype,
+        use_graph=not args.no_graph,
+        seed=args.seed,
+        num_sms=args.num_sms,
         check=not args.no_check,
     )
     try:
@@ -586,8 +652,15 @@ def cli_main(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     if not console.is_terminal and console.width < 110:
         console = Console(highlight=False, width=110)
-    path = "CUDA graph replay" if sim.use_graph else ("eager CUDA" if device.type == "cuda" else
-            ("Triton interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "PyTorch reference"))
+    path = (
+        "CUDA graph replay"
+        if sim.use_graph
+        else (
+            "eager CUDA"
+            if device.type == "cuda"
+            else ("Triton interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "PyTorch reference")
+        )
+    )
     console.print(
         f"[bold]serve-sim[/bold]: B={cfg.batch} requests, topk={cfg.topk}, h_q={cfg.h_q}, s_q=1, {cfg.layout} "
         f"{cfg.cache_dtype} cache, page_block_size={cfg.page_block_size}, contexts {cfg.resolved_min_context()}.."
@@ -608,8 +681,11 @@ def cli_main(args: argparse.Namespace) -> int:
     if "check" in res:
         c = res["check"]
         ok = c["ok"]
-        t.add_row("last step vs fp32 reference", f"max |Δout| {c['out_max_abs_err']:.2e}, cos dist {c['out_cos_dist']:.2e}, "
-                  f"max |Δlse| {c['lse_max_abs_err']:.2e}: " + ("ok" if c["decode_ok"] else "FAIL"))
+        t.add_row(
+            "last step vs fp32 reference",
+            f"max |Δout| {c['out_max_abs_err']:.2e}, cos dist {c['out_cos_dist']:.2e}, "
+            f"max |Δlse| {c['lse_max_abs_err']:.2e}: " + ("ok" if c["decode_ok"] else "FAIL"),
+        )
         t.add_row("appended tokens' bytes = quantize_k_cache", "ok" if c["store_ok"] else "FAIL")
         t.add_row("indices distinct, in own blocks", "ok" if c["indices_ok"] else "FAIL")
     console.print(t)

@@ -8,34 +8,22 @@ bandwidth (read + write of a 2 GiB buffer) and, at one size, with the PyTorch tw
 
 bytes moved = n·d_qk·2 (bf16 read) + n·bytes_per_token (cache write) + n·8 (slots).
 
-    python benchmarks/bench_store.py [--quick] [--json out.json]
+    python -m benchmarks.store [--quick] [--json PATH]   (default: benchmarks/results/<date>_<gpu>_store.json)
 """
+
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from sparse_mla import get_layout, quantize_and_store_kv  # noqa: E402
-from sparse_mla.reference import quantize_and_store_kv_reference  # noqa: E402
+from sparse_mla import get_layout, quantize_and_store_kv
+from sparse_mla.reference import quantize_and_store_kv_reference
 
-PBS = 64
-
-
-def copy_ceiling_gbs() -> float:
-    """Measured device-copy GB/s (read + write) of a 2 GiB buffer."""
-    x = torch.empty(1024**3, device="cuda", dtype=torch.bfloat16).normal_()
-    y = torch.empty_like(x)
-    t = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
-    gbs = 2 * x.numel() * 2 / (t * 1e-3) / 1e9
-    del x, y
-    torch.cuda.empty_cache()
-    return gbs
+from . import harness
+from .harness import PBS
 
 
 def make(layout: str, n: int, pattern: str, seed: int = 0):
@@ -59,24 +47,28 @@ def make(layout: str, n: int, pattern: str, seed: int = 0):
 
 def bench(layout: str, n: int, pattern: str, block_t: int, ceiling: float, quick: bool) -> dict:
     lay, kc, kv, slots = make(layout, n, pattern)
-    fn = lambda: quantize_and_store_kv(kv, slots, kc, block_t=block_t)  # noqa: E731
+
+    def fn():
+        quantize_and_store_kv(kv, slots, kc, block_t=block_t)
+
     fn()
     torch.cuda.synchronize()
-    ms = triton.testing.do_bench(fn, warmup=10 if quick else 50, rep=50 if quick else 300, return_mode="median")
+    us = harness.median_us(fn, quick)
     nbytes = n * lay.d_qk * 2 + n * lay.bytes_per_token + n * 8
-    gbs = nbytes / (ms * 1e-3) / 1e9
-    return dict(layout=layout, n=n, pattern=pattern, block_t=block_t, us=ms * 1e3, gbs=gbs, pct_hbm=100 * gbs / ceiling)
+    gbs = nbytes / (us * 1e-6) / 1e9
+    return dict(layout=layout, n=n, pattern=pattern, block_t=block_t, us=us, gbs=gbs, pct_hbm=100 * gbs / ceiling)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     ap.add_argument("--json", default=None, help="write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_store.py needs a CUDA device")
+        print("benchmarks.store: needs a CUDA device", file=sys.stderr)
+        return 2
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    ceiling = copy_ceiling_gbs()
+    ceiling = harness.copy_ceiling_gbs()
     print(f"device copy ceiling: {ceiling:.0f} GB/s (read + write)")
     sizes = [64, 4096, 65536] if args.quick else [64, 512, 4096, 32768, 131072, 524288]
     block_ts = [1, 4] if args.quick else [1, 2, 4, 8]
@@ -102,20 +94,22 @@ def main() -> None:
                 dflt = 1 if n < 1024 else 4
                 d = next((r for r in cand if r["block_t"] == dflt), None)
                 dtxt = f"default block_t={dflt}: {d['gbs']:.0f} GB/s" if d else ""
-                print(f"  {layout:7} n={n:7d} {pattern:10} best block_t={best['block_t']} {best['gbs']:.0f} GB/s "
-                      f"({best['pct_hbm']:.0f}% of copy)  {dtxt}")
+                print(
+                    f"  {layout:7} n={n:7d} {pattern:10} best block_t={best['block_t']} {best['gbs']:.0f} GB/s "
+                    f"({best['pct_hbm']:.0f}% of copy)  {dtxt}"
+                )
     # the PyTorch twin at one size, for scale
     n = 32768
     lay, kc, kv, slots = make("V32", n, "random")
-    ms_ref = triton.testing.do_bench(lambda: quantize_and_store_kv_reference(kv, slots, kc), warmup=5, rep=50,
-                                     return_mode="median")
-    ms_k = triton.testing.do_bench(lambda: quantize_and_store_kv(kv, slots, kc), warmup=10, rep=100, return_mode="median")
-    print(f"\nV32 n={n} random: Triton kernel {ms_k * 1e3:.1f} µs vs PyTorch twin {ms_ref * 1e3:.1f} µs "
-          f"({ms_ref / ms_k:.1f}x)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(ceiling_gbs=ceiling, rows=rows, twin_us=ms_ref * 1e3, kernel_us=ms_k * 1e3), f, indent=1)
+    us_ref = harness.median_us(lambda: quantize_and_store_kv_reference(kv, slots, kc), quick=True)
+    us_k = harness.median_us(lambda: quantize_and_store_kv(kv, slots, kc), quick=True)
+    print(f"\nV32 n={n} random: Triton kernel {us_k:.1f} µs vs PyTorch twin {us_ref:.1f} µs ({us_ref / us_k:.1f}x)")
+    path = harness.write_results(
+        "store", dict(ceiling_gbs=ceiling, quick=args.quick, rows=rows, twin_us=us_ref, kernel_us=us_k), args.json
+    )
+    print(f"results: {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

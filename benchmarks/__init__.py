@@ -1,0 +1,1 @@
+"""Benchmarks of sparse_mla (run as modules from the repository root: ``python -m benchmarks.decode``)."""

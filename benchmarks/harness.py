@@ -1,0 +1,212 @@
+"""What every benchmark here shares: the measured ceilings, timing (eager and CUDA-graph replay),
+the decode shapes with FlashMLA's times on the same GPU as data, the FLOP/byte model, inputs, and
+results written as JSON (device, versions, commit, date) under ``benchmarks/results/``.
+
+Run the benchmarks as modules from the repository root, with the package importable
+(``pip install -e .`` or ``PYTHONPATH=src``): ``python -m benchmarks.decode``,
+``python -m benchmarks.store``, ``python -m benchmarks.variants``, ``python -m benchmarks.profile``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+
+import sparse_mla as flash_mla
+from sparse_mla import get_layout
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CTX = 32768  # tokens of context per request
+PBS = 64  # page_block_size
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """One decode benchmark row; ``flashmla_us``: FlashMLA 1.0 on the lent H200 (graph replay,
+    docs/perf-log.md), None where FlashMLA has no kernel for the shape."""
+
+    b: int
+    h_q: int
+    s_q: int
+    topk: int
+    d_qk: int
+    flashmla_us: float | None = None
+
+    def matches(self, flt: dict) -> bool:
+        return all(str(getattr(self, k)) == v for k, v in flt.items())
+
+
+DECODE_SHAPES = [
+    DecodeShape(128, 128, 2, 2048, 576, 366.5),
+    DecodeShape(64, 128, 2, 2048, 576, 188.2),
+    DecodeShape(2, 128, 2, 2048, 576, 25.6),
+    DecodeShape(1, 128, 1, 2048, 576, 21.7),
+    DecodeShape(128, 64, 2, 2048, 576, 229.0),
+    DecodeShape(148, 128, 2, 16384, 576, 3133.0),
+    DecodeShape(128, 32, 2, 2048, 576),
+    DecodeShape(128, 16, 2, 2048, 576),
+    DecodeShape(64, 128, 2, 2048, 512),
+    DecodeShape(64, 64, 2, 2048, 512),
+]
+
+
+def parse_filter(text: str | None) -> list[dict]:
+    """``"b=64,h_q=128;b=1"`` -> ``[{"b": "64", "h_q": "128"}, {"b": "1"}]`` (a row matches if any
+    filter matches all its keys; no filter matches everything)."""
+    if not text:
+        return [{}]
+    return [dict(kv.split("=") for kv in part.split(",") if kv) for part in text.split(";")]
+
+
+def select(shapes: list[DecodeShape], only: str | None) -> list[DecodeShape]:
+    filters = parse_filter(only)
+    return [s for s in shapes if any(s.matches(f) for f in filters)]
+
+
+# ---------------------------------------------------------------------------------- measurement
+
+
+def median_us(fn: Callable[[], object], quick: bool = False) -> float:
+    """Median µs of ``fn`` (``triton.testing.do_bench``: CUDA events, L2 flushed between calls)."""
+    return 1e3 * triton.testing.do_bench(
+        fn, warmup=25 if quick else 100, rep=100 if quick else 500, return_mode="median"
+    )
+
+
+def graph_replay_us(make_call: Callable[[int], Callable[[], object]], n_variants: int, quick: bool = False) -> float:
+    """Median µs of replaying one CUDA graph per input variant, in rotation (as an engine replays
+    its decode graph): ``make_call(i)`` returns the call to capture for variant ``i``."""
+    graphs = []
+    for i in range(n_variants):
+        fn = make_call(i)
+        fn()  # warm up (compile) outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graphs.append(g)
+    state = {"i": 0}
+
+    def replay():
+        graphs[state["i"] % n_variants].replay()
+        state["i"] += 1
+
+    replay()
+    torch.cuda.synchronize()
+    return median_us(replay, quick)
+
+
+def ceilings() -> tuple[float, float]:
+    """Measured bf16 matmul TFLOP/s (8192³) and device-copy GB/s (read + write of 2 GiB)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    bm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    tflops = 2 * 8192**3 / (median_us(lambda: a @ bm) * 1e-6) / 1e12
+    return tflops, copy_ceiling_gbs()
+
+
+def copy_ceiling_gbs() -> float:
+    """Measured device-copy GB/s (read + write) of a 2 GiB buffer."""
+    src = torch.empty(1024**3, device="cuda", dtype=torch.bfloat16).normal_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / (median_us(lambda: dst.copy_(src)) * 1e-6) / 1e9
+
+
+def environment() -> dict:
+    """Device, versions, commit and date of a run (stored with every result file)."""
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(RESULTS_DIR),
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return dict(
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        sparse_mla=flash_mla.__version__,
+        commit=commit,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+
+
+def write_results(name: str, payload: dict, path: str | None = None) -> str:
+    """Write ``payload`` plus :func:`environment` as JSON to ``path`` (default
+    ``benchmarks/results/<date>_<device>_<name>.json``); returns the path."""
+    env = environment()
+    if path is None:
+        os.makedirs(RESULTS_DIR, exist_ok=True)
+        dev = "".join(c if c.isalnum() else "-" for c in env["device"]).strip("-").lower()
+        path = os.path.join(RESULTS_DIR, f"{env['date'][:10]}_{dev}_{name}.json")
+    with open(path, "w") as f:
+        json.dump(dict(benchmark=name, **env, **payload), f, indent=1)
+    return path
+
+
+# ---------------------------------------------------------------------------------- decode model
+
+
+def decode_flops(s: DecodeShape) -> int:
+    """``2 · b · s_q · h_q · topk · (d_qk + d_v)``."""
+    return 2 * s.b * s.s_q * s.h_q * s.topk * (s.d_qk + 512)
+
+
+@dataclass
+class DecodeInputs:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    index_sets: list  # several [b, s_q, topk] index tensors, rotated so the touched bytes exceed L2
+    unique_tokens: float  # mean distinct cache tokens a call reads
+
+    def bytes_moved(self, s: DecodeShape) -> float:
+        """Cache bytes of the distinct tokens read, plus q, out (bf16) and lse (fp32)."""
+        lay = get_layout(s.d_qk)
+        return self.unique_tokens * lay.bytes_per_token + self.q.numel() * 2 + s.b * s.s_q * s.h_q * (512 * 2 + 4)
+
+
+def decode_inputs(s: DecodeShape, seed: int = 0) -> DecodeInputs:
+    """A paged FP8 cache of ``b`` requests with 32K-token contexts (blocks shuffled), random q and
+    several sets of random distinct top-k positions per query token, as cache indices."""
+    lay = get_layout(s.d_qk)
+    per_call_bytes = s.b * s.s_q * s.topk * lay.bytes_per_token
+    n_sets = max(2, min(16, int(4 * 60e6 // per_call_bytes) + 1))  # >= ~4x L2 touched in rotation
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nblk_per = CTX // PBS
+    total_blocks = s.b * nblk_per
+    # quantising 5M random tokens takes long: quantise a pool of distinct tokens and tile it, so
+    # every slot holds a valid record
+    pool_tokens = 65536
+    k = torch.randn(pool_tokens // PBS, PBS, 1, s.d_qk, device="cuda", generator=g).to(torch.bfloat16)
+    pool = flash_mla.quantize_k_cache(k, lay).view(torch.uint8)
+    bb = lay.block_bytes(PBS)
+    flat = torch.empty(total_blocks, bb, dtype=torch.uint8, device="cuda")
+    src = pool.as_strided((pool.shape[0], bb), (pool.stride(0), 1))
+    for start in range(0, total_blocks, src.shape[0]):
+        n = min(src.shape[0], total_blocks - start)
+        flat[start : start + n] = src[:n]
+    kc = flat.as_strided((total_blocks, PBS, 1, lay.bytes_per_token), (bb, lay.bytes_per_token, lay.bytes_per_token, 1))
+    block_table = torch.randperm(total_blocks, device="cuda", generator=g).view(s.b, nblk_per).int()
+    q = torch.randn(s.b, s.s_q, s.h_q, s.d_qk, device="cuda", generator=g).to(torch.bfloat16)
+    sets = []
+    for _ in range(n_sets):
+        pos = torch.rand(s.b * s.s_q, CTX, device="cuda", generator=g).argsort(dim=1)[:, : s.topk]
+        sets.append(flash_mla.abs_indices_to_kvcache_indices(pos.view(s.b, s.s_q, s.topk).int(), block_table, PBS))
+    uniq = sum(int(torch.unique(ix[ix >= 0]).numel()) for ix in sets) / n_sets
+    return DecodeInputs(q, kc, sets, uniq)
+
+
+def as_dict(obj) -> dict:
+    return asdict(obj)

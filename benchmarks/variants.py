@@ -1,0 +1,130 @@
+"""Time kernel variants side by side, in one process: a variant is a backend with a launch config
+(:class:`sparse_mla.decode.hopper.HopperConfig`, :class:`sparse_mla.decode.portable.PortableConfig`),
+including the Hopper kernel's profiling modes (producer alone, consumer alone, gathers of one
+cache-resident token). A variant marked ``check`` is first compared with the fp32 reference on
+small shapes (split and unsplit schedules) and reported FAIL if it misses FlashMLA's tolerances.
+
+    python -m benchmarks.variants [--only b=64,h_q=128] [--variant NAME=BACKEND:KEY=V,KEY=V[:check]] ... [--full]
+
+Without ``--variant`` a built-in list runs (the Hopper kernel's profiling modes, and the portable
+kernel at two block sizes); e.g. ``--variant regs120=hopper:producer_regs=120:check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+
+import sparse_mla as flash_mla
+from sparse_mla.decode import get_backend
+from sparse_mla.decode.hopper import PROFILE_CACHED_TOKEN, PROFILE_CONSUMER_ONLY, PROFILE_PRODUCER_ONLY, HopperConfig
+from sparse_mla.decode.portable import PortableConfig
+from sparse_mla.plan import plan_decode
+from sparse_mla.problem import validate_sparse_decode
+from sparse_mla.reference import sparse_decode_reference
+from sparse_mla.testing import decode_closeness
+
+from . import harness
+
+CONFIGS = {"hopper": HopperConfig, "portable": PortableConfig}
+DEFAULT = [
+    ("hopper", "hopper", HopperConfig(), True),
+    ("hopper producer-only", "hopper", HopperConfig(profile=PROFILE_PRODUCER_ONLY), False),
+    ("hopper consumer-only", "hopper", HopperConfig(profile=PROFILE_CONSUMER_ONLY), False),
+    ("hopper cached-token", "hopper", HopperConfig(profile=PROFILE_CACHED_TOKEN), False),
+    ("portable", "portable", PortableConfig(), True),
+    ("portable block_n=32", "portable", PortableConfig(block_n=32), True),
+]
+
+
+def parse_variant(text: str) -> tuple[str, str, Any, bool]:
+    """``NAME=BACKEND:KEY=V,KEY=V[:check]`` -> (name, backend, config, check)."""
+    check = text.endswith(":check")
+    text = text[: -len(":check")] if check else text
+    name, _, rest = text.partition("=")
+    backend, _, kvs = rest.partition(":")
+    if backend not in CONFIGS:
+        raise SystemExit(f"--variant {text!r}: backend must be one of {sorted(CONFIGS)}")
+    fields = {f.name: f.type for f in dataclasses.fields(CONFIGS[backend])}
+    kw = {}
+    for kv in filter(None, kvs.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in fields:
+            raise SystemExit(f"--variant {text!r}: {CONFIGS[backend].__name__} has no field {k!r} ({sorted(fields)})")
+        kw[k] = int(v)
+    return name, backend, CONFIGS[backend](**kw), check
+
+
+def check_variant(backend: str, config: Any) -> str:
+    """Compare the variant with the fp32 reference on small V32 shapes, split and unsplit."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    nb = 64
+    k = (torch.randn(nb, 64, 1, 576, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    kc = flash_mla.quantize_k_cache(k, "V32")
+    worst = ""
+    for b, h_q, num_sms in ((4, 128, None), (4, 128, 8), (3, 20, None)):
+        q = torch.randn(b, 2, h_q, 576, device="cuda", generator=g).to(torch.bfloat16)
+        idx = torch.randint(-64, nb * 64, (b, 2, 512), device="cuda", generator=g, dtype=torch.int32)
+        p = validate_sparse_decode(q=q, k_cache=kc, indices=idx)
+        plan = plan_decode(p, num_sms, backend)
+        out, lse = get_backend(backend).launch(p, plan.table, config)
+        c = decode_closeness(out, lse, *sparse_decode_reference(q, kc, idx))
+        if not c.ok:
+            return f"FAIL b={b} h_q={h_q} num_sms={num_sms}: {c.detail[:200]}"
+        worst = f"max |d out| {c.out_max_abs_err:.1e}"
+    return "PASS " + worst
+
+
+def time_variant(s: harness.DecodeShape, backend: str, config: Any, quick: bool) -> float:
+    inp = harness.decode_inputs(s)
+    n = len(inp.index_sets)
+    problems = [validate_sparse_decode(q=inp.q, k_cache=inp.k_cache, indices=ix) for ix in inp.index_sets]
+    plan = plan_decode(problems[0], backend=backend)
+    launch = get_backend(backend).launch
+    state = {"i": 0}
+
+    def call():
+        state["i"] += 1
+        return launch(problems[state["i"] % n], plan.table, config)
+
+    call()
+    torch.cuda.synchronize()
+    return harness.median_us(call, quick)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="b=64,h_q=128,d_qk=576", help="shape filters k=v,k=v; several separated by ';'")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=BACKEND:KEY=V,KEY=V[:check]")
+    ap.add_argument("--full", action="store_true", help="full repetitions (default quick)")
+    ap.add_argument("--json", help="write the results here (default: benchmarks/results/<date>_<gpu>_variants.json)")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.variants: needs a CUDA device", file=sys.stderr)
+        return 2
+    variants = [parse_variant(v) for v in a.variant] or DEFAULT
+    shapes = harness.select(harness.DECODE_SHAPES, a.only)
+    out = []
+    for name, backend, config, check in variants:
+        res = dict(name=name, backend=backend, config=dataclasses.asdict(config), rows=[])
+        if check:
+            res["check"] = check_variant(backend, config)
+        for s in shapes:
+            try:
+                res["rows"].append(dict(harness.as_dict(s), us=time_variant(s, backend, config, not a.full)))
+                torch.cuda.empty_cache()
+            except ValueError as e:  # the backend cannot serve this shape
+                res.setdefault("skipped", []).append(f"{s}: {e}")
+        out.append(res)
+        us = ", ".join(f"b={r['b']} h_q={r['h_q']} d_qk={r['d_qk']}: {r['us']:.1f} us" for r in res["rows"])
+        print(f"{name:24s} {res.get('check', ''):40s} {us}", flush=True)
+    print(f"results: {harness.write_results('variants', dict(quick=not a.full, variants=out), a.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
