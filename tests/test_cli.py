@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparse_mla.tools import cli
+from sparse_mla.tools import cli, common
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,9 +154,9 @@ def test_demo_without_triton_says_triton():
 
 
 def test_describe_import_error():
-    assert "numpy is not installed" in cli.describe_import_error(ModuleNotFoundError("x", name="numpy"))
-    assert "triton is not installed" in cli.describe_import_error(ModuleNotFoundError("x", name="triton.language"))
-    assert cli.describe_import_error(ImportError("libfoo.so: cannot open")) == "ImportError: libfoo.so: cannot open"
+    assert "numpy is not installed" in common.describe_import_error(ModuleNotFoundError("x", name="numpy"))
+    assert "triton is not installed" in common.describe_import_error(ModuleNotFoundError("x", name="triton.language"))
+    assert common.describe_import_error(ImportError("libfoo.so: cannot open")) == "ImportError: libfoo.so: cannot open"
 
 
 def _pyproject() -> dict:

@@ -34,6 +34,7 @@ __all__ = [
     "META_FIELDS",
     "ScheduleTable",
     "compute_num_sm_parts",
+    "small_head_tile",
     "batch_num_blocks",
     "schedule",
 ]
@@ -63,6 +64,13 @@ def compute_num_sm_parts(num_sms: int, s_q: int, h_q: int, heads_per_cta: int = 
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
     return max(num_sms // s_q // (-(-h_q // heads_per_cta)), 1)
+
+
+def small_head_tile(h_q: int) -> int:
+    """Heads per program of the portable kernel (and the reference that mirrors its schedule):
+    16 when that is all there is, else 64 (FlashMLA's tile; on the H200 a 32-head tile ran
+    slower than a 64-head one, docs/perf-log.md)."""
+    return 16 if h_q <= 16 else 64
 
 
 def batch_num_blocks(

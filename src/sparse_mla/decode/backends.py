@@ -29,7 +29,7 @@ import torch
 
 from ..problem import DecodeProblem, empty_outputs, is_empty
 from ..runtime import backend_override, interpreting, use_triton
-from ..scheduler import ScheduleTable
+from ..scheduler import ScheduleTable, small_head_tile
 
 __all__ = ["Backend", "BACKENDS", "AUTO_ORDER", "resolve_backend", "backend_support", "get_backend", "run_decode"]
 
@@ -57,13 +57,6 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<sparse_mla decode backend {self.name!r}>"
-
-
-def small_head_tile(h_q: int) -> int:
-    """Heads per program of the portable kernel (and the reference that mirrors its schedule):
-    16 when that is all there is, else 64 (FlashMLA's tile; on the H200 a 32-head tile ran
-    slower than a 64-head one, docs/perf-log.md)."""
-    return 16 if h_q <= 16 else 64
 
 
 class ReferenceBackend(Backend):

@@ -33,8 +33,7 @@ import triton.language as tl
 from ..formats import cache_bytes
 from ..problem import DecodeProblem
 from ..runtime import LOG2E, interpreting, require_runnable
-from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable
-from .backends import small_head_tile
+from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, small_head_tile
 from .combine import combine_fwd, final_out_lse, split_accumulators
 
 __all__ = ["PortableConfig", "launch"]

@@ -24,25 +24,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .common import kernel_import_error, quiet_interpreter, triton_version
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from rich.console import Console
 
-__all__ = [
-    "main",
-    "build_parser",
-    "COMMANDS",
-    "describe_import_error",
-    "kernel_import_error",
-    "quiet_interpreter",
-    "triton_version",
-]
+__all__ = ["main", "build_parser", "COMMANDS"]
 
 # the walkthrough's worked example (docs/design.md: section 5, walkthrough steps 0-3)
 SEED_B, SEED_S_Q, SEED_H_Q, SEED_TOPK, SEED_PAGE_BLOCK = 2, 1, 128, 128, 64
@@ -52,7 +45,6 @@ SEED_COMBINE_LSE = (4.2, 3.8, 2.1)
 
 # FlashMLA's test tolerances against the fp32 reference (docs/design.md, section 6)
 
-KERNEL_MODULE = "sparse_mla.decode.portable"
 
 #: where the walkthrough's step numbers and the tolerances are explained (shipped in the repository)
 DESIGN_DOC = "docs/design.md"
@@ -112,57 +104,6 @@ def _ranges(ids: Sequence[int]) -> str:
     if start is not None:
         out.append(f"{start}-{prev}" if prev != start else f"{start}")
     return ", ".join(out)
-
-
-def describe_import_error(e: ImportError) -> str:
-    """The real cause of a failed kernel import, in words (``numpy is not installed ...``)."""
-    root = (getattr(e, "name", None) or "").split(".")[0]
-    if isinstance(e, ModuleNotFoundError) and root == "numpy":
-        return "numpy is not installed; Triton's interpreter (the CPU path) needs it: pip install numpy"
-    if isinstance(e, ModuleNotFoundError) and root == "triton":
-        return "triton is not installed: pip install 'triton>=3.6'"
-    return f"{type(e).__name__}: {e}"
-
-
-def kernel_import_error(modules: Sequence[str] = (KERNEL_MODULE,)) -> str | None:
-    """Import the kernel modules; ``None`` when they import, else why they cannot (for the user).
-
-    Call it after ``TRITON_INTERPRET`` has been decided: with ``TRITON_INTERPRET=1`` Triton
-    imports NumPy, without it Triton does not.
-    """
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError as e:
-            return describe_import_error(e)
-    return None
-
-
-def triton_version() -> str:
-    """``triton.__version__``, or ``unavailable: <the real cause>``."""
-    try:
-        import triton
-    except ImportError as e:
-        return f"unavailable: {describe_import_error(e)}"
-    return str(triton.__version__)
-
-
-@contextlib.contextmanager
-def quiet_interpreter() -> Iterator[None]:
-    """Silence NumPy's floating-point warnings while Triton's interpreter runs kernels.
-
-    The interpreter executes kernels through NumPy, so masked-out work (a query or a block with
-    no valid key: ``-inf - -inf``, ``log2(0)``) raises ``RuntimeWarning: invalid value
-    encountered ...`` that compiled kernels never show; the results are right (the kernels select
-    around those lanes). Used by the CLI around kernel calls only, never at library import.
-    """
-    try:
-        import numpy as np
-    except ImportError:
-        yield
-        return
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
-        yield
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,8 +243,8 @@ def _section_token(console: Console, seed: int) -> None:
 def _section_schedule(console: Console) -> Any:
     from rich.table import Table
 
-    from ..decode.backends import small_head_tile as heads_per_cta
     from ..scheduler import FIXED_OVERHEAD_NUM_BLOCKS, META_FIELDS, batch_num_blocks, compute_num_sm_parts, schedule
+    from ..scheduler import small_head_tile as heads_per_cta
 
     b, s_q, h_q, topk = SEED_B, SEED_S_Q, SEED_H_Q, SEED_TOPK
     console.rule(

@@ -603,7 +603,7 @@ def cli_main(args: argparse.Namespace) -> int:
     size, unwritable ``--json`` path, ``--device cuda`` without CUDA) or the kernels cannot be
     imported (the message says why); all found before the simulation starts.
     """
-    from .cli import kernel_import_error, quiet_interpreter
+    from .common import kernel_import_error, quiet_interpreter
 
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -666,7 +666,7 @@ def cli_main(args: argparse.Namespace) -> int:
         f"{cfg.cache_dtype} cache, page_block_size={cfg.page_block_size}, contexts {cfg.resolved_min_context()}.."
         f"{cfg.max_context} (growing), {cfg.steps} steps on {device} ({path})"
     )
-    with quiet_interpreter():  # NumPy's warnings for masked-out lanes in the interpreter; see cli.quiet_interpreter
+    with quiet_interpreter():  # NumPy's warnings for masked-out lanes in the interpreter; see common.quiet_interpreter
         res = sim.run(progress=not args.no_progress, console=console)
     t = Table(title="decode loop (store + index conversion + sparse decode per step)")
     t.add_column("metric")
