@@ -34,8 +34,9 @@ def use_triton(device: torch.device) -> bool:
     return device.type == "cuda" or interpreting()
 
 
-def require_runnable(kernel: Any, device: torch.device) -> None:
-    """Raise ``RuntimeError`` when ``kernel`` cannot run tensors on ``device``.
+def require_runnable(kernel: Any, device: torch.device, *helpers: Any) -> None:
+    """Raise ``RuntimeError`` when ``kernel`` (and the jit ``helpers`` it calls from other modules)
+    cannot run tensors on ``device``.
 
     A kernel module imported without ``TRITON_INTERPRET=1`` holds compiled kernels, which cannot
     take CPU tensors even if the variable is set later.
@@ -47,7 +48,7 @@ def require_runnable(kernel: Any, device: torch.device) -> None:
 
     # Triton's own library functions are defined when triton is imported, sparse_mla's kernels when
     # their module is: both must have been defined with the interpreter on
-    if not (isinstance(kernel, InterpretedFunction) and isinstance(tl_standard.max, InterpretedFunction)):
+    if not all(isinstance(f, InterpretedFunction) for f in (kernel, *helpers, tl_standard.max)):
         raise RuntimeError(
             "TRITON_INTERPRET=1 was set after Triton (or sparse_mla's kernels) had been imported; Triton reads "
             "it when a kernel is defined, so set it before Python starts (e.g. `TRITON_INTERPRET=1 python ...`), "

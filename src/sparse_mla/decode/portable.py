@@ -500,7 +500,7 @@ def launch(
     Returns:
         ``out [b, s_q, h_q, 512]`` bf16, ``lse [b, h_q, s_q]`` fp32.
     """
-    require_runnable(_sparse_decode_kernel, p.q.device)
+    require_runnable(_sparse_decode_kernel, p.q.device, final_out_lse)
     config = config or PortableConfig()
     q = p.q
     b, s_q, h_q, _ = q.shape
