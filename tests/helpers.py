@@ -108,6 +108,23 @@ class Problem:
             extra_topk_length=self.extra_topk_length,
         )
 
+    def to(self, device) -> Problem:
+        """Move every tensor to ``device`` in place (caches keep their strides: :func:`cache_to`)."""
+        for f in (
+            "q",
+            "k_cache",
+            "indices",
+            "topk_length",
+            "attn_sink",
+            "extra_k_cache",
+            "extra_indices",
+            "extra_topk_length",
+        ):
+            v = getattr(self, f)
+            if v is not None:
+                setattr(self, f, cache_to(v, device) if f.endswith("k_cache") else v.to(device))
+        return self
+
     def api_kwargs(self) -> dict:
         return dict(
             indices=self.indices,

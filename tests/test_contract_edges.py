@@ -29,20 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def to_dev(p):
-    for f in (
-        "q",
-        "k_cache",
-        "indices",
-        "topk_length",
-        "attn_sink",
-        "extra_k_cache",
-        "extra_indices",
-        "extra_topk_length",
-    ):
-        v = getattr(p, f)
-        if v is not None:
-            setattr(p, f, cache_to(v, DEVICE) if f.endswith("k_cache") else v.to(DEVICE))
-    return p
+    return p.to(DEVICE)
 
 
 def view_of(t: torch.Tensor, kind: str, filler) -> torch.Tensor:

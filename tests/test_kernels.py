@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 import torch
-from helpers import cache_to, check_decode_close, make_problem
+from helpers import check_decode_close, make_problem
 
 import sparse_mla as flash_mla
 from sparse_mla.reference import combine_reference, sparse_decode_reference
@@ -27,20 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def to_dev(p, device=DEVICE):
-    for f in (
-        "q",
-        "k_cache",
-        "indices",
-        "topk_length",
-        "attn_sink",
-        "extra_k_cache",
-        "extra_indices",
-        "extra_topk_length",
-    ):
-        v = getattr(p, f)
-        if v is not None:
-            setattr(p, f, cache_to(v, device) if f.endswith("k_cache") else v.to(device))
-    return p
+    return p.to(device)
 
 
 def run_api(p, num_sms=None, q=None, indices=None, k_cache=None):

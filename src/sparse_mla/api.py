@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .decode.backends import run_decode
-from .plan import FlashMLASchedMeta, ensure_plan, get_mla_metadata
-from .problem import empty_outputs, is_empty, validate_sparse_decode
+from .plan import FlashMLASchedMeta, check_sched_meta, get_mla_metadata
+from .serving.ops import decode
 
 __all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache"]
 
@@ -94,49 +93,16 @@ def flash_mla_with_kvcache(
             ``backend`` that cannot serve the call (the message says why).
         NotImplementedError: the dense path (``indices`` is None).
     """
-    if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
-        raise TypeError(
-            "tile_scheduler_metadata: expected the FlashMLASchedMeta from get_mla_metadata(), "
-            f"got {type(tile_scheduler_metadata).__name__}"
-        )
+    check_sched_meta(tile_scheduler_metadata)
     if num_splits is not None:
         raise ValueError("num_splits: must be None (the splits live in tile_scheduler_metadata)")
     if indices is None:
         raise NotImplementedError(
             "dense decode (indices=None) is planned but not implemented yet; pass indices for the sparse path"
         )
-    if torch.compiler.is_compiling():
-        from .serving.ops import traced_sparse_decode
-
-        if head_dim_v != 512 or not is_fp8_kvcache or causal:
-            raise ValueError("head_dim_v / is_fp8_kvcache / causal: the sparse decode needs 512 / True / False")
-        return traced_sparse_decode(
-            q,
-            k_cache,
-            indices,
-            tile_scheduler_metadata,
-            softmax_scale,
-            topk_length,
-            attn_sink,
-            extra_k_cache,
-            extra_indices_in_kvcache,
-            extra_topk_length,
-        )
-    p = validate_sparse_decode(
-        q=q,
-        k_cache=k_cache,
-        indices=indices,
-        head_dim_v=head_dim_v,
-        softmax_scale=softmax_scale,
-        is_fp8_kvcache=is_fp8_kvcache,
-        causal=causal,
-        attn_sink=attn_sink,
-        extra_k_cache=extra_k_cache,
-        extra_indices_in_kvcache=extra_indices_in_kvcache,
-        topk_length=topk_length,
-        extra_topk_length=extra_topk_length,
-    )
-    if is_empty(p):
-        return empty_outputs(p)
-    plan = ensure_plan(tile_scheduler_metadata, p, backend)
-    return run_decode(p, plan.backend, plan.table)
+    return decode(
+        q, k_cache, indices, tile_scheduler_metadata, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
+        is_fp8_kvcache=is_fp8_kvcache, causal=causal, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
+        extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
+        extra_topk_length=extra_topk_length, backend=backend,
+    )  # fmt: skip

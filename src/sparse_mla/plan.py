@@ -25,6 +25,7 @@ __all__ = [
     "get_mla_metadata",
     "plan_decode",
     "ensure_plan",
+    "check_sched_meta",
     "DEFAULT_CPU_NUM_SMS",
     "MAX_NUM_SMS",
 ]
@@ -168,6 +169,15 @@ def plan_decode(p: DecodeProblem, num_sms: int | None = None, backend: str = "au
     return DecodePlan(chosen, schedule(total, parts, main_blocks=main).to(p.q.device))
 
 
+def check_sched_meta(meta: Any) -> FlashMLASchedMeta:
+    """``meta`` if it is a :class:`FlashMLASchedMeta`, else ``TypeError`` naming ``tile_scheduler_metadata``."""
+    if not isinstance(meta, FlashMLASchedMeta):
+        raise TypeError(
+            f"tile_scheduler_metadata: expected the FlashMLASchedMeta from get_mla_metadata(), got {type(meta).__name__}"
+        )
+    return meta
+
+
 def ensure_plan(meta: FlashMLASchedMeta, p: DecodeProblem, backend: str = "auto") -> DecodePlan:
     """Fill ``meta`` on its first use; afterwards check that ``p`` has the configuration it was
     filled for and return its plan (no host synchronisation).
@@ -176,10 +186,7 @@ def ensure_plan(meta: FlashMLASchedMeta, p: DecodeProblem, backend: str = "auto"
         TypeError: ``meta`` is not a :class:`FlashMLASchedMeta`.
         ValueError: a different configuration than the one ``meta`` was filled for.
     """
-    if not isinstance(meta, FlashMLASchedMeta):
-        raise TypeError(
-            f"tile_scheduler_metadata: expected the FlashMLASchedMeta from get_mla_metadata(), got {type(meta).__name__}"
-        )
+    check_sched_meta(meta)
     num_sms = meta.num_sms or _device_num_sms(p.q.device)
     cfg = _config_of(p, num_sms, backend)
     if meta.have_initialized:

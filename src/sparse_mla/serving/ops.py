@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from ..decode.backends import resolve_backend, run_decode
-from ..plan import DecodePlan, FlashMLASchedMeta, ensure_plan
+from ..plan import DecodePlan, FlashMLASchedMeta, check_sched_meta, ensure_plan
 from ..problem import DecodeProblem, empty_outputs, is_empty, validate_sparse_decode
 from ..runtime import use_triton
 from ..scheduler import META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
@@ -234,11 +234,7 @@ def schedule_tensors(tile_scheduler_metadata: FlashMLASchedMeta) -> dict:
         TypeError: not a ``FlashMLASchedMeta``.
         ValueError: the object has not been filled yet (run one call first).
     """
-    if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
-        raise TypeError(
-            "tile_scheduler_metadata: expected the FlashMLASchedMeta from get_mla_metadata(), "
-            f"got {type(tile_scheduler_metadata).__name__}"
-        )
+    check_sched_meta(tile_scheduler_metadata)
     plan = tile_scheduler_metadata.plan
     if not tile_scheduler_metadata.have_initialized or plan is None:
         raise ValueError(
@@ -311,6 +307,49 @@ def traced_sparse_decode(
     )
 
 
+def decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    *,
+    head_dim_v: int = D_V,
+    softmax_scale: Optional[float] = None,
+    is_fp8_kvcache: bool = True,
+    causal: bool = False,
+    attn_sink: Optional[torch.Tensor] = None,
+    extra_k_cache: Optional[torch.Tensor] = None,
+    extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    extra_topk_length: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    through_op: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse decode behind :func:`sparse_mla.flash_mla_with_kvcache` and :func:`sparse_decode`:
+    validate, plan (first call), launch. Compiled, it goes straight to the op
+    (:func:`traced_sparse_decode`); eager, through the op only when ``through_op``."""
+    check_sched_meta(tile_scheduler_metadata)
+    if torch.compiler.is_compiling():
+        if head_dim_v != D_V or not is_fp8_kvcache or causal:
+            raise ValueError("head_dim_v / is_fp8_kvcache / causal: the sparse decode needs 512 / True / False")
+        return traced_sparse_decode(
+            q, k_cache, indices, tile_scheduler_metadata, softmax_scale, topk_length, attn_sink, extra_k_cache,
+            extra_indices_in_kvcache, extra_topk_length,
+        )  # fmt: skip
+    p = validate_sparse_decode(
+        q=q, k_cache=k_cache, indices=indices, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
+        is_fp8_kvcache=is_fp8_kvcache, causal=causal, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
+        extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
+        extra_topk_length=extra_topk_length,
+    )  # fmt: skip
+    if is_empty(p):
+        return empty_outputs(p)
+    plan = ensure_plan(tile_scheduler_metadata, p, backend)
+    if through_op:
+        return call_sparse_decode_op(p, plan)
+    return run_decode(p, plan.backend, plan.table)
+
+
 def sparse_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -335,39 +374,11 @@ def sparse_decode(
     Returns:
         ``out [b, s_q, h_q, 512]`` bf16 and ``lse [b, h_q, s_q]`` fp32 (natural log).
     """
-    if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
-        raise TypeError(
-            "tile_scheduler_metadata: expected the FlashMLASchedMeta from get_mla_metadata(), "
-            f"got {type(tile_scheduler_metadata).__name__}"
-        )
-    if torch.compiler.is_compiling():
-        return traced_sparse_decode(
-            q,
-            k_cache,
-            indices,
-            tile_scheduler_metadata,
-            softmax_scale,
-            topk_length,
-            attn_sink,
-            extra_k_cache,
-            extra_indices_in_kvcache,
-            extra_topk_length,
-        )
-    p = validate_sparse_decode(
-        q=q,
-        k_cache=k_cache,
-        indices=indices,
-        head_dim_v=D_V,
-        softmax_scale=softmax_scale,
-        attn_sink=attn_sink,
-        extra_k_cache=extra_k_cache,
-        extra_indices_in_kvcache=extra_indices_in_kvcache,
-        topk_length=topk_length,
-        extra_topk_length=extra_topk_length,
-    )
-    if is_empty(p):
-        return empty_outputs(p)
-    return call_sparse_decode_op(p, ensure_plan(tile_scheduler_metadata, p, backend))
+    return decode(
+        q, k_cache, indices, tile_scheduler_metadata, softmax_scale=softmax_scale, attn_sink=attn_sink,
+        extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
+        extra_topk_length=extra_topk_length, backend=backend, through_op=True,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
