@@ -177,32 +177,33 @@ class DecodeInputs:
         return self.unique_tokens * lay.bytes_per_token + self.q.numel() * 2 + s.b * s.s_q * s.h_q * (512 * 2 + 4)
 
 
-def decode_inputs(s: DecodeShape, seed: int = 0) -> DecodeInputs:
+def decode_inputs(s: DecodeShape, seed: int = 0, device: str = "cuda") -> DecodeInputs:
     """A paged FP8 cache of ``b`` requests with 32K-token contexts (blocks shuffled), random q and
-    several sets of random distinct top-k positions per query token, as cache indices."""
+    several sets of random distinct top-k positions per query token, as cache indices (on
+    ``device``)."""
     lay = get_layout(s.d_qk)
     per_call_bytes = s.b * s.s_q * s.topk * lay.bytes_per_token
     n_sets = max(2, min(16, int(4 * 60e6 // per_call_bytes) + 1))  # >= ~4x L2 touched in rotation
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     nblk_per = CTX // PBS
     total_blocks = s.b * nblk_per
     # quantising 5M random tokens takes long: quantise a pool of distinct tokens and tile it, so
     # every slot holds a valid record
     pool_tokens = 65536
-    k = torch.randn(pool_tokens // PBS, PBS, 1, s.d_qk, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(pool_tokens // PBS, PBS, 1, s.d_qk, device=device, generator=g).to(torch.bfloat16)
     pool = flash_mla.quantize_k_cache(k, lay).view(torch.uint8)
     bb = lay.block_bytes(PBS)
-    flat = torch.empty(total_blocks, bb, dtype=torch.uint8, device="cuda")
+    flat = torch.empty(total_blocks, bb, dtype=torch.uint8, device=device)
     src = pool.as_strided((pool.shape[0], bb), (pool.stride(0), 1))
     for start in range(0, total_blocks, src.shape[0]):
         n = min(src.shape[0], total_blocks - start)
         flat[start : start + n] = src[:n]
     kc = flat.as_strided((total_blocks, PBS, 1, lay.bytes_per_token), (bb, lay.bytes_per_token, lay.bytes_per_token, 1))
-    block_table = torch.randperm(total_blocks, device="cuda", generator=g).view(s.b, nblk_per).int()
-    q = torch.randn(s.b, s.s_q, s.h_q, s.d_qk, device="cuda", generator=g).to(torch.bfloat16)
+    block_table = torch.randperm(total_blocks, device=device, generator=g).view(s.b, nblk_per).int()
+    q = torch.randn(s.b, s.s_q, s.h_q, s.d_qk, device=device, generator=g).to(torch.bfloat16)
     sets = []
     for _ in range(n_sets):
-        pos = torch.rand(s.b * s.s_q, CTX, device="cuda", generator=g).argsort(dim=1)[:, : s.topk]
+        pos = torch.rand(s.b * s.s_q, CTX, device=device, generator=g).argsort(dim=1)[:, : s.topk]
         sets.append(flash_mla.abs_indices_to_kvcache_indices(pos.view(s.b, s.s_q, s.topk).int(), block_table, PBS))
     uniq = sum(int(torch.unique(ix[ix >= 0]).numel()) for ix in sets) / n_sets
     return DecodeInputs(q, kc, sets, uniq)

@@ -135,7 +135,7 @@ def test_schedule_tensor_views_through_the_op(kind):
     st = lib.schedule_tensors(meta)
     assert st["any_split"]
     viewed = dict(st)
-    for name in ("num_splits", "main_blocks", "num_blocks"):
+    for name in ("acc_rows", "main_blocks", "num_blocks"):
         viewed[name] = view_of(st[name], kind, 10_000)
     md = st["tile_scheduler_metadata"]
     big = torch.full((md.shape[0], md.shape[1] * 2), 10_000, dtype=md.dtype, device=md.device)

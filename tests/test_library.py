@@ -98,8 +98,8 @@ def test_sparse_decode_op_errors():
         out_t, lse_t = torch.ops.sparse_mla.sparse_decode(p.q, p.k_cache, p.indices, **st, sm_scale=0.1)
         assert torch.equal(out_f, out_t) and torch.equal(lse_f, lse_t)
     st["any_split"] = True
-    st["num_splits"] = st["num_splits"][:-1]
-    with pytest.raises(ValueError, match="^num_splits"):
+    st["acc_rows"] = st["acc_rows"][:-1]
+    with pytest.raises(ValueError, match="^acc_rows"):
         torch.ops.sparse_mla.sparse_decode(p.q, p.k_cache, p.indices, **st, sm_scale=0.1)
     with pytest.raises(TypeError, match="^q"):
         torch.ops.sparse_mla.sparse_decode(
@@ -210,8 +210,8 @@ def test_compiled_serving_step_fullgraph(layout, backend):
 FORGED = {
     "requests past b": lambda st: st["tile_scheduler_metadata"].__setitem__((0, slice(0, 2)), 1000),
     "negative request": lambda st: st["tile_scheduler_metadata"].__setitem__((0, 0), -3),
-    "negative num_splits": lambda st: st["num_splits"].copy_(torch.tensor([-500, 0, 7])),
-    "num_splits past the rows": lambda st: st["num_splits"].copy_(torch.tensor([0, 1000, 3])),
+    "negative num_splits": lambda st: st["acc_rows"].copy_(torch.tensor([-500, 0, 7])),
+    "num_splits past the rows": lambda st: st["acc_rows"].copy_(torch.tensor([0, 1000, 3])),
     "2**31-1 blocks": lambda st: st["tile_scheduler_metadata"].__setitem__((0, 3), 2**31 - 1),
     "2**31-1 main blocks": lambda st: st["main_blocks"].fill_(2**31 - 1),
     "huge split index": lambda st: st["tile_scheduler_metadata"].__setitem__((slice(None), 4), 10**6),
@@ -232,10 +232,10 @@ def test_forged_schedule_is_rejected_or_bounded(case):
     st = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in lib.schedule_tensors(meta).items()}
     rows = 2 + st["tile_scheduler_metadata"].shape[0]
     legit = bound_schedule_tensors(
-        st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows
+        st["tile_scheduler_metadata"], st["acc_rows"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows
     )
     for t, u in zip(
-        legit, (st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"]), strict=True
+        legit, (st["tile_scheduler_metadata"], st["acc_rows"], st["main_blocks"], st["num_blocks"]), strict=True
     ):
         assert torch.equal(t, u)  # the scheduler's own tensors pass unchanged
     FORGED[case](st)
@@ -245,12 +245,12 @@ def test_forged_schedule_is_rejected_or_bounded(case):
         ):
             torch.ops.sparse_mla.sparse_decode(p.q, p.k_cache, p.indices, **st, sm_scale=0.1)
     md, ns, mb, nb = bound_schedule_tensors(
-        st["tile_scheduler_metadata"], st["num_splits"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows
+        st["tile_scheduler_metadata"], st["acc_rows"], st["main_blocks"], st["num_blocks"], 2, 200, 0, rows
     )
     assert int(md[:, 0].min()) >= 0 and int(md[:, 1].max()) <= 1 and int(md[:, 3].max()) <= 4
     assert int(ns.min()) >= 0 and int(ns.max()) <= rows - 1 and bool((ns[1:] >= ns[:-1]).all()) and int(ns[0]) == 0
     # the kernels run on the bounded tensors without touching memory outside their buffers
     q = validate_sparse_decode(q=p.q, k_cache=p.k_cache, indices=p.indices)
-    table = ScheduleTable(md.shape[0], md, ns, mb, [], 0, nb, True)
+    table = ScheduleTable(md.shape[0], md, ns, mb, [], 0, nb, True, ns, rows - 1)
     out, lse = run_decode(q, resolve_backend(q), table)
     assert out.shape == (2, 1, 16, 512) and lse.shape == (2, 16, 1)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from .plan import FlashMLASchedMeta, check_sched_meta, get_mla_metadata
+from .plan import FlashMLASchedMeta, check_sched_meta, decode_workspace_bytes, get_mla_metadata
 from .serving.ops import decode
 
-__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache"]
+__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "decode_workspace_bytes"]
 
 
 def flash_mla_with_kvcache(
@@ -41,6 +41,8 @@ def flash_mla_with_kvcache(
     extra_topk_length: torch.Tensor | None = None,
     *,
     backend: str = "auto",
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode over an FP8 paged latent KV cache (FlashMLA 1.0's signature and semantics).
 
@@ -72,6 +74,14 @@ def flash_mla_with_kvcache(
         backend: ``"auto"`` (the fastest that serves the call), ``"hopper"``, ``"portable"`` or
             ``"reference"`` (keyword only; not in FlashMLA). Fixed by the first call of a
             scheduler object; ``tile_scheduler_metadata.backend`` tells which one runs.
+        out: optional ``[b, s_q, h_q, 512]`` bf16 buffer (last dim contiguous, other strides
+            free) the result is written into and returned (keyword only; not in FlashMLA).
+        lse: optional ``[b, h_q, s_q]`` fp32 buffer (any strides), likewise.
+
+    Workspace: the split-KV partial results live in a buffer held by ``tile_scheduler_metadata``
+    (allocated by its first call, at most :func:`sparse_mla.decode_workspace_bytes`), so an eager
+    call with ``out``/``lse`` given allocates no device memory. Calls sharing a scheduler object
+    must run in order on one stream (as the layers of one decode step do).
 
     Returns:
         ``out [b, s_q, h_q, 512]`` bf16 and ``lse [b, h_q, s_q]`` fp32 (natural log; +inf and
@@ -104,5 +114,5 @@ def flash_mla_with_kvcache(
         q, k_cache, indices, tile_scheduler_metadata, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
         is_fp8_kvcache=is_fp8_kvcache, causal=causal, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
         extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
-        extra_topk_length=extra_topk_length, backend=backend,
+        extra_topk_length=extra_topk_length, backend=backend, out=out, lse=lse,
     )  # fmt: skip

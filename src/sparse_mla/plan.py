@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from .decode.backends import Backend, resolve_backend
-from .problem import DecodeProblem
-from .scheduler import ScheduleTable, batch_num_blocks, compute_num_sm_parts, schedule
+from .decode.backends import AUTO_ORDER, BACKENDS, Backend, Workspace, resolve_backend
+from .decode.workspace import accumulator_bytes, split_accumulators
+from .problem import MAX_H_Q, DecodeProblem
+from .scheduler import MAX_ACC_ROWS_PER_PART, ScheduleTable, batch_num_blocks, schedule
 
 __all__ = [
     "FlashMLASchedMeta",
@@ -26,6 +27,7 @@ __all__ = [
     "plan_decode",
     "ensure_plan",
     "check_sched_meta",
+    "decode_workspace_bytes",
     "DEFAULT_CPU_NUM_SMS",
     "MAX_NUM_SMS",
 ]
@@ -62,10 +64,18 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """The backend that runs a decode step and the schedule sized for its tile."""
+    """The backend that runs a decode step, the schedule sized for its tile, and the split-KV
+    workspace the schedule needs (``(o_accum, lse_accum)``, ``table.num_acc_rows`` rows; reused
+    by every eager call of the step)."""
 
     backend: Backend
     table: ScheduleTable
+    workspace: Workspace
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the split-KV workspace (8 when nothing is split: two placeholder floats)."""
+        return sum(t.numel() * t.element_size() for t in self.workspace)
 
 
 @dataclass
@@ -76,6 +86,13 @@ class FlashMLASchedMeta:
     must have the same :class:`ScheduleConfig`, else ``ValueError``. ``topk_length`` *values* are
     read only on the first call: a caller whose lengths change must ask :func:`get_mla_metadata`
     for a new object (as with FlashMLA).
+
+    The object also holds the split-KV workspace of the step (``workspace_bytes``; at most
+    :func:`decode_workspace_bytes`), allocated by the first call and reused by every later eager
+    call, so steady-state calls allocate nothing but their outputs (none with ``out=``/``lse=``).
+    Calls that share an object must therefore run one after another on one stream (as the layers
+    of a decode step do); a call captured in a CUDA graph gets its own workspace from the graph's
+    memory pool, so the graph stays valid after the object is dropped.
 
     Attributes:
         num_sms: SM count to schedule for (None: the device's).
@@ -98,6 +115,11 @@ class FlashMLASchedMeta:
     def backend(self) -> str | None:
         """Name of the backend that runs this step (``"hopper"``, ``"portable"``, ``"reference"``)."""
         return None if self.plan is None else self.plan.backend.name
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of split-KV workspace this object holds (0 before use)."""
+        return 0 if self.plan is None else self.plan.workspace_bytes
 
     @property
     def tile_scheduler_metadata(self) -> torch.Tensor | None:
@@ -128,10 +150,19 @@ def get_mla_metadata(*args: Any, num_sms: int | None = None, **kwargs: Any) -> t
     return FlashMLASchedMeta(num_sms=num_sms), None
 
 
+_NUM_SMS: dict[torch.device, int] = {}
+
+
 def _device_num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_CPU_NUM_SMS
+    n = _NUM_SMS.get(device)
+    if n is None:
+        n = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else DEFAULT_CPU_NUM_SMS
+        )
+        _NUM_SMS[device] = n
+    return n
 
 
 def _config_of(p: DecodeProblem, num_sms: int, backend: str) -> ScheduleConfig:
@@ -165,8 +196,42 @@ def plan_decode(p: DecodeProblem, num_sms: int | None = None, backend: str = "au
     tl_host = None if p.topk_length is None else p.topk_length.tolist()
     etl_host = None if p.extra_topk_length is None else p.extra_topk_length.tolist()
     main, total = batch_num_blocks(b, p.topk, tl_host, p.extra_topk, etl_host)
-    parts = compute_num_sm_parts(num_sms, s_q, h_q, chosen.heads_per_cta(h_q))
-    return DecodePlan(chosen, schedule(total, parts, main_blocks=main).to(p.q.device))
+    table = schedule(total, chosen.num_sm_parts(num_sms, s_q, h_q), main_blocks=main).to(p.q.device)
+    workspace = split_accumulators(table.num_acc_rows, s_q, h_q, p.d_v, p.q.device)
+    return DecodePlan(chosen, table, workspace)
+
+
+def decode_workspace_bytes(b: int, s_q: int, h_q: int, num_sms: int | None = None, d_v: int = 512) -> int:
+    """The most split-KV workspace bytes a decode step of this shape can need (any backend, any
+    ``topk``/``topk_length``): ``rows * s_q * h_q * (d_v + 1) * 4`` with ``rows <= min(2 *
+    num_sm_parts, b + num_sm_parts - 1)`` (0 when there is one partition: nothing is split).
+
+    The workspace lives with the scheduler object (``FlashMLASchedMeta.workspace_bytes`` gives
+    what one holds). Example (132 SMs, h_q 128): b=128, s_q=2 -> 33 partitions, at most 66 rows,
+    34.7 MB (FlashMLA allocates 84.6 MB per call); one request with s_q = 16384 (a mixed batch as one request) -> 1 partition, 8 bytes.
+
+    Args:
+        b, s_q, h_q: batch, query tokens per request, query heads (h_q 1..128).
+        num_sms: SMs scheduled for (default: the current CUDA device's, else 132).
+        d_v: value head dim (512).
+
+    Raises:
+        ValueError: a non-positive size.
+    """
+    for name, v in (("b", b), ("s_q", s_q), ("h_q", h_q), ("d_v", d_v)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if h_q > MAX_H_Q:
+        raise ValueError(f"h_q: expected at most {MAX_H_Q}, got {h_q}")
+    if num_sms is None:
+        num_sms = (
+            _device_num_sms(torch.device("cuda", torch.cuda.current_device()))
+            if torch.cuda.is_available()
+            else DEFAULT_CPU_NUM_SMS
+        )
+    parts = max(BACKENDS[name].num_sm_parts(num_sms, s_q, h_q) for name in AUTO_ORDER)
+    rows = 0 if parts == 1 else min(MAX_ACC_ROWS_PER_PART * parts, b + parts - 1)
+    return accumulator_bytes(rows, s_q, h_q, d_v)
 
 
 def check_sched_meta(meta: Any) -> FlashMLASchedMeta:

@@ -15,7 +15,16 @@ import torch
 
 from .formats import KVCacheLayout, check_quantized_cache, get_layout
 
-__all__ = ["DecodeProblem", "validate_sparse_decode", "check_tensor", "is_empty", "empty_outputs", "MAX_H_Q"]
+__all__ = [
+    "DecodeProblem",
+    "validate_sparse_decode",
+    "check_tensor",
+    "is_empty",
+    "empty_outputs",
+    "output_tensors",
+    "finish_outputs",
+    "MAX_H_Q",
+]
 
 #: One KV head serves at most this many query heads.
 MAX_H_Q = 128
@@ -37,6 +46,8 @@ class DecodeProblem:
         extra_k_cache: second cache of the same layout, or None.
         extra_indices: ``[b, s_q, extra_topk]`` int32 into ``extra_k_cache``, or None.
         extra_topk_length: ``[b]`` int32, contiguous, or None.
+        out: caller's ``[b, s_q, h_q, d_v]`` bf16 output (last dim contiguous), or None.
+        lse: caller's ``[b, h_q, s_q]`` fp32 output (any strides), or None.
     """
 
     q: torch.Tensor
@@ -50,6 +61,8 @@ class DecodeProblem:
     extra_k_cache: torch.Tensor | None = None
     extra_indices: torch.Tensor | None = None
     extra_topk_length: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -167,13 +180,16 @@ def validate_sparse_decode(
     extra_indices_in_kvcache: Any = None,
     topk_length: Any = None,
     extra_topk_length: Any = None,
+    out: Any = None,
+    lse: Any = None,
 ) -> DecodeProblem:
     """Check every argument of the sparse decode (the arguments of
     :func:`sparse_mla.flash_mla_with_kvcache`); return the :class:`DecodeProblem`.
 
     The 1-D ``topk_length``, ``extra_topk_length`` and ``attn_sink`` come back contiguous (a copy
     on the device when a view was given); every other tensor's strides are honoured by the
-    kernels. ``b = 0`` or ``s_q = 0`` is valid (an empty step).
+    kernels. ``b = 0`` or ``s_q = 0`` is valid (an empty step). ``out``/``lse``, when given, are
+    the caller's output buffers (written in place, returned; they must not overlap the inputs).
 
     Raises:
         TypeError / ValueError: naming the first bad argument.
@@ -195,6 +211,16 @@ def validate_sparse_decode(
         _check_indices(extra_indices_in_kvcache, "extra_indices_in_kvcache", b, s_q, dev)
         extra_topk_length = _check_vector(extra_topk_length, "extra_topk_length", torch.int32, b, "b", dev)
     attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
+    if out is not None:
+        check_tensor(out, "out", (torch.bfloat16,), 4, dev)
+        if tuple(out.shape) != (b, s_q, h_q, lay.d_v):
+            raise ValueError(f"out: expected shape [b={b}, s_q={s_q}, h_q={h_q}, d_v={lay.d_v}], got {list(out.shape)}")
+        if out.stride(-1) != 1 and out.numel() > 0:
+            raise ValueError("out: the last dimension must be contiguous (stride 1)")
+    if lse is not None:
+        check_tensor(lse, "lse", (torch.float32,), 3, dev)
+        if tuple(lse.shape) != (b, h_q, s_q):
+            raise ValueError(f"lse: expected shape [b={b}, h_q={h_q}, s_q={s_q}], got {list(lse.shape)}")
     return DecodeProblem(
         q=q,
         k_cache=k_cache,
@@ -207,6 +233,8 @@ def validate_sparse_decode(
         extra_k_cache=extra_k_cache,
         extra_indices=extra_indices_in_kvcache,
         extra_topk_length=extra_topk_length,
+        out=out,
+        lse=lse,
     )
 
 
@@ -215,10 +243,30 @@ def is_empty(p: DecodeProblem) -> bool:
     return p.q.shape[0] == 0 or p.q.shape[1] == 0
 
 
-def empty_outputs(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out [b, s_q, h_q, d_v]`` bf16 and ``lse [b, h_q, s_q]`` fp32 of an empty step (no launch)."""
+def output_tensors(p: DecodeProblem, out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffers a backend writes: the caller's ``p.out``/``p.lse`` where given, else new
+    ``out [b, s_q, h_q, d_v]`` (``out_dtype``) and ``lse [b, h_q, s_q]`` fp32 tensors on q's device.
+    (A backend that writes another dtype than the caller's ``out`` asks for a new one here and
+    copies at the end.)"""
     b, s_q, h_q, _ = p.q.shape
-    return (
-        p.q.new_empty((b, s_q, h_q, p.d_v), dtype=torch.bfloat16),
-        p.q.new_empty((b, h_q, s_q), dtype=torch.float32),
-    )
+    out = p.out
+    if out is None or out.dtype != out_dtype:
+        out = p.q.new_empty((b, s_q, h_q, p.d_v), dtype=out_dtype)
+    lse = p.lse if p.lse is not None else p.q.new_empty((b, h_q, s_q), dtype=torch.float32)
+    return out, lse
+
+
+def finish_outputs(p: DecodeProblem, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` as the caller gets them: written into ``p.out`` when given (a copy when the
+    backend wrote another buffer), bf16 otherwise."""
+    if p.out is not None:
+        if out is not p.out:
+            p.out.copy_(out)
+        return p.out, lse
+    return out.to(torch.bfloat16), lse
+
+
+def empty_outputs(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out [b, s_q, h_q, d_v]`` bf16 and ``lse [b, h_q, s_q]`` fp32 of an empty step (no launch;
+    the caller's ``out``/``lse`` when given)."""
+    return output_tensors(p)

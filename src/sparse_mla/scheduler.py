@@ -18,7 +18,13 @@ Each partition is one row of ``tile_scheduler_metadata`` (int32, :data:`META_FIE
 
 An idle partition has ``begin_req = b`` (> ``end_req``). ``num_splits`` is the prefix sum
 ``[0, n_0, n_0 + n_1, ...]`` of the number of pieces of every batch: batch ``i``'s partial
-results live at rows ``num_splits[i] .. num_splits[i+1]-1`` of the fp32 accumulators.
+results are merged by the combine step.
+
+The fp32 split accumulators hold rows for split batches only: ``acc_rows`` is the prefix sum of
+``n_i`` over batches with ``n_i > 1`` pieces (0 for the others), so batch ``i``'s partial results
+live at rows ``acc_rows[i] .. acc_rows[i+1]-1`` and the accumulators need ``acc_rows[b]`` rows,
+at most ``2 * num_sm_parts`` whatever ``b`` and ``s_q`` (a partition holds at most two pieces of
+split batches: its first and its last): :data:`MAX_ACC_ROWS_PER_PART`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ __all__ = [
     "TOPK_BLOCK_SIZE",
     "FIXED_OVERHEAD_NUM_BLOCKS",
     "META_FIELDS",
+    "MAX_ACC_ROWS_PER_PART",
     "ScheduleTable",
     "compute_num_sm_parts",
     "small_head_tile",
@@ -51,6 +58,10 @@ META_FIELDS = (
     "is_last_req_splitted",
     "pad",
 )
+
+
+#: accumulator rows per partition at most (its first and its last piece may belong to split batches)
+MAX_ACC_ROWS_PER_PART = 2
 
 
 def compute_num_sm_parts(num_sms: int, s_q: int, h_q: int, heads_per_cta: int = 64) -> int:
@@ -112,6 +123,9 @@ class ScheduleTable:
         payload: capacity of one partition in blocks (overhead included).
         num_blocks_t: ``[b]`` int32, ``num_blocks`` as a tensor (read by the kernels).
         any_split: whether some batch has more than one piece (the combine step is needed).
+        acc_rows: ``[b + 1]`` int32 prefix sums of accumulator rows per batch (``n_i`` pieces for a
+            split batch, 0 for the others).
+        num_acc_rows: ``acc_rows[b]``, the accumulator rows the step needs (0 when nothing is split).
     """
 
     num_sm_parts: int
@@ -122,6 +136,8 @@ class ScheduleTable:
     payload: int
     num_blocks_t: torch.Tensor
     any_split: bool
+    acc_rows: torch.Tensor
+    num_acc_rows: int
 
     def rows(self) -> list[dict[str, int]]:
         """The metadata as a list of dicts (for printing and tests)."""
@@ -137,6 +153,8 @@ class ScheduleTable:
             self.payload,
             self.num_blocks_t.to(device),
             self.any_split,
+            self.acc_rows.to(device),
+            self.num_acc_rows,
         )
 
 
@@ -204,6 +222,10 @@ def schedule(
     if req < b:
         raise RuntimeError("scheduler: work left after the last partition (internal error)")
     mb = list(num_blocks) if main_blocks is None else list(main_blocks)
+    acc = [0]
+    for i in range(b):
+        n = prefix[i + 1] - prefix[i]
+        acc.append(acc[-1] + (n if n > 1 else 0))
     return ScheduleTable(
         num_sm_parts=num_sm_parts,
         metadata=torch.tensor(meta, dtype=torch.int32).view(num_sm_parts, len(META_FIELDS)),
@@ -212,5 +234,7 @@ def schedule(
         num_blocks=[int(n) for n in num_blocks],
         payload=payload,
         num_blocks_t=torch.tensor([int(n) for n in num_blocks], dtype=torch.int32),
-        any_split=any(prefix[i + 1] - prefix[i] > 1 for i in range(b)),
+        any_split=acc[-1] > 0,
+        acc_rows=torch.tensor(acc, dtype=torch.int32),
+        num_acc_rows=acc[-1],
     )

@@ -16,7 +16,8 @@ how many query heads one of its programs serves (the scheduler sizes the partiti
 ``SPARSE_MLA_BACKEND`` (read in :mod:`sparse_mla.runtime`) replaces ``"auto"`` for debugging.
 Kernel modules are imported on first launch, so ``import sparse_mla`` imports no Triton.
 
-To add a backend: write its kernel module with a ``launch(p, table, config) -> (out, lse)``,
+To add a backend: write its kernel module with a ``launch(p, table, config, workspace) -> (out, lse)``
+(writing into ``p.out``/``p.lse`` when the caller gave them),
 subclass :class:`Backend` here, and put it in :data:`BACKENDS` (and :data:`AUTO_ORDER` if
 "auto" may pick it); the tests in ``tests/test_backends.py`` then run it where it applies.
 """
@@ -27,11 +28,23 @@ from typing import Any
 
 import torch
 
-from ..problem import DecodeProblem, empty_outputs, is_empty
+from ..problem import DecodeProblem, empty_outputs, finish_outputs, is_empty
 from ..runtime import backend_override, interpreting, use_triton
-from ..scheduler import ScheduleTable, small_head_tile
+from ..scheduler import ScheduleTable, compute_num_sm_parts, small_head_tile
 
-__all__ = ["Backend", "BACKENDS", "AUTO_ORDER", "resolve_backend", "backend_support", "get_backend", "run_decode"]
+#: ``(o_accum [rows, s_q, h_q, d_v], lse_accum [rows, s_q, h_q])`` fp32 split accumulators
+Workspace = tuple[torch.Tensor, torch.Tensor]
+
+__all__ = [
+    "Workspace",
+    "Backend",
+    "BACKENDS",
+    "AUTO_ORDER",
+    "resolve_backend",
+    "backend_support",
+    "get_backend",
+    "run_decode",
+]
 
 
 class Backend:
@@ -49,10 +62,19 @@ class Backend:
         partition and query token)."""
         raise NotImplementedError
 
-    def launch(self, p: DecodeProblem, table: ScheduleTable, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the decode (and the combine when some batch is split): ``(out bf16, lse fp32)``.
+    def num_sm_parts(self, num_sms: int, s_q: int, h_q: int) -> int:
+        """Partitions of the schedule per query token (default: programs of
+        :meth:`heads_per_cta` heads about filling ``num_sms`` SMs once)."""
+        return compute_num_sm_parts(num_sms, s_q, h_q, self.heads_per_cta(h_q))
 
-        ``config``: the backend's tuning dataclass (None = the measured defaults)."""
+    def launch(
+        self, p: DecodeProblem, table: ScheduleTable, config: Any = None, workspace: Workspace | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the decode (and the combine when some batch is split): ``(out bf16, lse fp32)``,
+        written into ``p.out``/``p.lse`` when given.
+
+        ``config``: the backend's tuning dataclass (None = the measured defaults). ``workspace``:
+        ``(o_accum, lse_accum)`` with at least ``table.num_acc_rows`` rows, or None to allocate."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -68,7 +90,9 @@ class ReferenceBackend(Backend):
     def heads_per_cta(self, h_q: int) -> int:
         return small_head_tile(h_q)
 
-    def launch(self, p: DecodeProblem, table: ScheduleTable, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def launch(
+        self, p: DecodeProblem, table: ScheduleTable, config: Any = None, workspace: Workspace | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from .reference import sparse_decode_split_reference
 
         out, lse = sparse_decode_split_reference(
@@ -84,7 +108,10 @@ class ReferenceBackend(Backend):
             p.extra_indices,
             p.extra_topk_length,
         )
-        return out.to(torch.bfloat16), lse
+        if p.lse is not None:
+            p.lse.copy_(lse)
+            lse = p.lse
+        return finish_outputs(p, out, lse)
 
 
 class PortableBackend(Backend):
@@ -98,10 +125,12 @@ class PortableBackend(Backend):
     def heads_per_cta(self, h_q: int) -> int:
         return small_head_tile(h_q)
 
-    def launch(self, p: DecodeProblem, table: ScheduleTable, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def launch(
+        self, p: DecodeProblem, table: ScheduleTable, config: Any = None, workspace: Workspace | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from .portable import launch
 
-        return launch(p, table, config)
+        return launch(p, table, config, workspace)
 
 
 class HopperBackend(Backend):
@@ -123,10 +152,12 @@ class HopperBackend(Backend):
     def heads_per_cta(self, h_q: int) -> int:
         return 64  # one wgmma M tile; rows past h_q are zero queries, never stored
 
-    def launch(self, p: DecodeProblem, table: ScheduleTable, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def launch(
+        self, p: DecodeProblem, table: ScheduleTable, config: Any = None, workspace: Workspace | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from .hopper import launch
 
-        return launch(p, table, config)
+        return launch(p, table, config, workspace)
 
 
 #: every backend by name
@@ -182,10 +213,11 @@ def resolve_backend(p: DecodeProblem, backend: str = "auto") -> Backend:
 
 
 def run_decode(
-    p: DecodeProblem, backend: Backend, table: ScheduleTable, config: Any = None
+    p: DecodeProblem, backend: Backend, table: ScheduleTable, config: Any = None, workspace: Workspace | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch ``backend`` on a validated problem with its schedule; an empty step (``b = 0`` or
-    ``s_q = 0``) launches nothing and gets empty outputs. Returns ``(out bf16, lse fp32)``."""
+    """Launch ``backend`` on a validated problem with its schedule (and ``workspace``, None to
+    allocate); an empty step (``b = 0`` or ``s_q = 0``) launches nothing and gets empty outputs.
+    Returns ``(out bf16, lse fp32)``."""
     if is_empty(p):
         return empty_outputs(p)
-    return backend.launch(p, table, config)
+    return backend.launch(p, table, config, workspace)

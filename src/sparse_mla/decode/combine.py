@@ -1,20 +1,24 @@
 """Combine kernel (step 16 in docs/design.md): LSE-weighted merge of the split-KV partial results.
 Twin: :func:`sparse_mla.decode.reference.combine_reference`.
 
-For batch ``i`` with ``n = num_splits[i+1] - num_splits[i] > 1`` pieces, partial outputs
+For batch ``i`` with ``n = acc_rows[i+1] - acc_rows[i] > 1`` pieces, partial outputs
 ``o_j`` (each normalised by its own softmax sum) and log2-space LSEs ``lse_j``::
 
     m = max_j lse_j,  w_j = exp2(lse_j - m),  out = Σ w_j o_j / Σ w_j,  lse = (log2 Σ w_j + m) · ln 2
 
 then ``attn_sink`` scales ``out`` by ``1 / (1 + exp2(sink·log2e - log2-lse))`` once, and a query
 with no valid key anywhere (all ``lse_j = -inf``) gets ``out = 0``, ``lse = +inf``. Batches with
-a single piece were finished by the decode kernel and are left alone.
+fewer than two rows (a single piece) were finished by the decode kernel and are left alone.
+``acc_rows`` is the scheduler's prefix of accumulator rows (:class:`~sparse_mla.scheduler.ScheduleTable`;
+FlashMLA's ``num_splits`` prefix also works, with more rows).
 
-This module also owns the split-KV buffer contract of the decode kernels
-(:func:`split_accumulators`) and the final-row formula both share (:func:`final_out_lse`).
+The split-KV buffers are made by :func:`sparse_mla.decode.workspace.split_accumulators`; the
+final-row formula the decode kernels share with this one is :func:`final_out_lse`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -135,20 +139,9 @@ def _combine_kernel(
             tl.store(lse_ptr + req * stride_lb + heads * stride_lh + sq * stride_ls, lse, mask=hmask)
 
 
-def split_accumulators(
-    b: int, s_q: int, h_q: int, d_v: int, num_sm_parts: int, any_split: bool, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 partial-result buffers the decode kernels write for split batches.
-
-    ``o_accum [b + num_sm_parts, s_q, h_q, d_v]`` and ``lse_accum [b + num_sm_parts, s_q, h_q]``
-    (at most one row per batch plus one per partition boundary); 1-element placeholders when no
-    batch is split (the kernels then never write them).
-    """
-    rows = b + num_sm_parts if any_split else 1
-    shape = (rows, s_q, h_q, d_v) if any_split else (1, 1, 1, 1)
-    o_acc = torch.empty(shape, dtype=torch.float32, device=device)
-    l_acc = torch.empty(shape[:3], dtype=torch.float32, device=device)
-    return o_acc, l_acc
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _combine_blocks(b: int, s_q: int, h_q: int, d_v: int, device: torch.device) -> tuple[int, int]:
@@ -158,7 +151,7 @@ def _combine_blocks(b: int, s_q: int, h_q: int, d_v: int, device: torch.device) 
     block_h, block_d = 16, 128
     if device.type != "cuda":
         return block_h, block_d
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     while b * s_q * triton.cdiv(h_q, block_h) * (d_v // block_d) < target:
         if block_d > 64:
             block_d //= 2
@@ -172,7 +165,7 @@ def _combine_blocks(b: int, s_q: int, h_q: int, d_v: int, device: torch.device) 
 def combine_fwd(
     o_accum: torch.Tensor,
     lse_accum: torch.Tensor,
-    num_splits: torch.Tensor,
+    acc_rows: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     attn_sink: torch.Tensor | None = None,
@@ -188,7 +181,8 @@ def combine_fwd(
     Args:
         o_accum: ``[rows, s_q, h_q, d_v]`` fp32 partial outputs (last dim contiguous).
         lse_accum: ``[rows, s_q, h_q]`` fp32 log2-space partial LSEs.
-        num_splits: ``[b + 1]`` int32 prefix sums of pieces per batch.
+        acc_rows: ``[b + 1]`` int32 prefix sums of accumulator rows per batch (batch i's pieces
+            are rows ``acc_rows[i] .. acc_rows[i+1]-1``; fewer than two: left alone).
         out: ``[b, s_q, h_q, d_v]`` bf16 (or fp32) output, written for split batches only (last
             dim contiguous; other strides and every stride of the other tensors are honoured).
         lse: ``[b, h_q, s_q]`` fp32 natural-log LSE, written for split batches only.
@@ -228,7 +222,7 @@ def combine_fwd(
         lse_accum.stride(1),
         lse_accum.stride(2),
         # read as dense arrays: views (strided, expanded, offset) become copies, on the device
-        num_splits.contiguous(),
+        acc_rows.contiguous(),
         attn_sink.contiguous() if attn_sink is not None else lse_accum,
         out,
         out.stride(0),

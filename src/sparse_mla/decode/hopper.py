@@ -4,7 +4,7 @@ backend (V32 cache, no extra cache, any h_q in 64-head tiles). Twin:
 
 Same launch contract as :func:`sparse_mla.decode.portable.launch` (same scheduler partition walk,
 same outputs: final bf16 ``out`` + natural-log ``lse`` for unsplit batches, fp32 partial O
-normalised by its own sum + log2-space LSE rows ``num_splits[req] + split`` for split batches,
+normalised by its own sum + log2-space LSE rows ``acc_rows[req] + split`` for split batches,
 merged by :mod:`.combine`).
 
 Structure of one CTA (one scheduler partition x one query token x 64 heads), FlashMLA-like:
@@ -41,7 +41,7 @@ h_q that is not a multiple of 64 (e.g. 16 or 32 heads of a tensor-parallel slice
 tiles whose rows past h_q are zero queries that are never stored.
 
 Inside the kernel the partitions take their arguments as tuples: ``sched = (metadata_ptr,
-num_splits_ptr, main_blocks_ptr, num_blocks_ptr)``, ``ring = (k_smem, kr_smem, mask_smem,
+acc_rows_ptr, main_blocks_ptr, num_blocks_ptr)``, ``ring = (k_smem, kr_smem, mask_smem,
 ready_bars, empty_bars)`` and one ``(ptr, strides...)`` tuple per output; both read their
 partition's scheduler row with :func:`_partition_row`.
 """
@@ -60,10 +60,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..formats import cache_bytes
-from ..problem import DecodeProblem
+from ..problem import DecodeProblem, output_tensors
 from ..runtime import LOG2E
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable
-from .combine import combine_fwd, split_accumulators
+from .combine import combine_fwd
+from .workspace import split_accumulators
 
 __all__ = [
     "HopperConfig",
@@ -362,7 +363,7 @@ def _consumer(
         l_safe = gl.where(lonely, 1.0, l_i)
         m_safe2 = gl.where(lonely, 0.0, m_i)
         lse2 = gl.where(lonely, float("-inf"), gl.log2(l_safe) + m_safe2)
-        if n_splits == 1:
+        if n_splits <= 1:
             denom = l_safe
             if HAS_SINK:
                 denom += gl.exp2(sink_log2 - m_safe2)
@@ -504,7 +505,10 @@ def _sparse_decode_gluon_kernel(
 
 # --------------------------------------------------------------------------------------------- launcher
 def launch(
-    p: DecodeProblem, table: ScheduleTable, config: HopperConfig | None = None
+    p: DecodeProblem,
+    table: ScheduleTable,
+    config: HopperConfig | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the warp-specialised kernel, and the combine kernel when some batch is split.
 
@@ -513,6 +517,8 @@ def launch(
             dispatcher checks, :mod:`.backends`).
         table: its schedule on ``p.q``'s device, sized for 64-head tiles.
         config: launch parameters (default :class:`HopperConfig`).
+        workspace: ``(o_accum, lse_accum)`` of at least ``table.num_acc_rows`` rows
+            (:func:`.workspace.split_accumulators`), or None to allocate them.
 
     Returns:
         ``out [b, s_q, h_q, 512]`` bf16, ``lse [b, h_q, s_q]`` fp32.
@@ -522,13 +528,12 @@ def launch(
     b, s_q, h_q, _ = q.shape
     assert TOPK_BLOCK_SIZE == BLOCK_N and p.layout.name == "V32" and p.extra_k_cache is None
     dev = q.device
-    out = torch.empty(b, s_q, h_q, p.d_v, dtype=torch.bfloat16, device=dev)
-    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=dev)
-    o_acc, l_acc = split_accumulators(b, s_q, h_q, p.d_v, table.num_sm_parts, table.any_split, dev)
+    out, lse = output_tensors(p)
+    o_acc, l_acc = workspace or split_accumulators(table.num_acc_rows, s_q, h_q, p.d_v, dev)
     raw = cache_bytes(p.k_cache)
     pbs = raw.shape[1]
     pow2 = pbs & (pbs - 1) == 0
-    dummy_i32 = table.num_splits
+    dummy_i32 = table.acc_rows
     grid = (table.num_sm_parts, s_q, -(-h_q // BLOCK_H))
     _sparse_decode_gluon_kernel[grid](
         q,
@@ -546,7 +551,7 @@ def launch(
         p.topk_length if p.topk_length is not None else dummy_i32,
         p.attn_sink if p.attn_sink is not None else l_acc,
         table.metadata,
-        table.num_splits,
+        table.acc_rows,
         table.main_blocks,
         table.num_blocks_t,
         out,
@@ -577,5 +582,5 @@ def launch(
         maxnreg=config.maxnreg,
     )
     if table.any_split:
-        combine_fwd(o_acc, l_acc, table.num_splits, out, lse, p.attn_sink)
+        combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink)
     return out, lse

@@ -18,7 +18,7 @@ with 0 as the fill value), so NaN or garbage in unused cache slots cannot reach 
 Kernel arguments travel as tuples (Triton passes their members as separate arguments):
 ``cache = (ptr, block_stride, token_stride, num_tokens, page_block_size, log2(page_block_size))``
 (bytes), ``sel = (indices_ptr, stride_b, stride_s, stride_t, topk, topk_length_ptr)``,
-``sched = (metadata_ptr, num_splits_ptr, main_blocks_ptr, num_blocks_ptr)`` and
+``sched = (metadata_ptr, acc_rows_ptr, main_blocks_ptr, num_blocks_ptr)`` and
 ``(ptr, strides...)`` for each output.
 """
 
@@ -31,10 +31,11 @@ import triton
 import triton.language as tl
 
 from ..formats import cache_bytes
-from ..problem import DecodeProblem
+from ..problem import DecodeProblem, finish_outputs, output_tensors
 from ..runtime import LOG2E, interpreting, require_runnable
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, small_head_tile
-from .combine import combine_fwd, final_out_lse, split_accumulators
+from .combine import combine_fwd, final_out_lse
+from .workspace import split_accumulators
 
 __all__ = ["PortableConfig", "launch"]
 
@@ -347,7 +348,7 @@ def _sparse_decode_kernel(
     """Grid ``(num_sm_parts, s_q, ceil(h_q / BLOCK_H))``. ``q = (ptr, stride_b, stride_s, stride_h)``;
     ``out = (ptr, stride_b, stride_s, stride_h)``, ``lse = (ptr, stride_b, stride_h, stride_s)``;
     ``o_acc = (ptr, stride_row, stride_s, stride_h)``, ``lse_acc = (ptr, stride_row, stride_s)``
-    (heads contiguous): the split rows of :func:`.combine.split_accumulators`."""
+    (heads contiguous): the split rows of :func:`.workspace.split_accumulators`."""
     q_ptr, stride_qb, stride_qs, stride_qh = q
     meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr = sched
     out_ptr, stride_ob, stride_os, stride_oh = out
@@ -452,7 +453,7 @@ def _sparse_decode_kernel(
                 NUM_STAGES,
             )
 
-        if n_splits == 1:
+        if n_splits <= 1:
             o, lse_v = final_out_lse(acc, l_i, m_i, sink_log2, HAS_SINK)
             optr = out_ptr + req * stride_ob + sq * stride_os + heads[:, None] * stride_oh + cm[None, :]
             tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
@@ -488,7 +489,10 @@ def _sel_args(indices: torch.Tensor, lengths: torch.Tensor | None, dummy: torch.
 
 
 def launch(
-    p: DecodeProblem, table: ScheduleTable, config: PortableConfig | None = None
+    p: DecodeProblem,
+    table: ScheduleTable,
+    config: PortableConfig | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the portable split-KV kernel, and the combine kernel when some batch is split.
 
@@ -496,6 +500,8 @@ def launch(
         p: a validated, non-empty problem (:func:`sparse_mla.problem.validate_sparse_decode`).
         table: its schedule on ``p.q``'s device, sized for this backend's tile.
         config: launch parameters (default :class:`PortableConfig`).
+        workspace: ``(o_accum, lse_accum)`` of at least ``table.num_acc_rows`` rows
+            (:func:`.workspace.split_accumulators`), or None to allocate them.
 
     Returns:
         ``out [b, s_q, h_q, 512]`` bf16, ``lse [b, h_q, s_q]`` fp32.
@@ -510,11 +516,10 @@ def launch(
     interp = interpreting()
     # Triton 3.6's interpreter truncates fp32 -> bf16 instead of rounding to nearest even: there
     # the kernels write fp32 and torch rounds once at the end (compiled kernels write bf16).
-    out = torch.empty(b, s_q, h_q, p.d_v, dtype=torch.float32 if interp else torch.bfloat16, device=dev)
-    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=dev)
-    o_acc, l_acc = split_accumulators(b, s_q, h_q, p.d_v, table.num_sm_parts, table.any_split, dev)
+    out, lse = output_tensors(p, torch.float32 if interp else torch.bfloat16)
+    o_acc, l_acc = workspace or split_accumulators(table.num_acc_rows, s_q, h_q, p.d_v, dev)
     is_v32 = lay.name == "V32"
-    dummy_i32 = table.num_splits
+    dummy_i32 = table.acc_rows
     cache, addr = _cache_args(p.k_cache, is_v32)
     sel = _sel_args(p.indices, p.topk_length, dummy_i32)
     has_extra = p.extra_k_cache is not None
@@ -527,7 +532,7 @@ def launch(
         extra_cache,
         extra_sel,
         p.attn_sink if p.attn_sink is not None else l_acc,
-        (table.metadata, table.num_splits, table.main_blocks, table.num_blocks_t),
+        (table.metadata, table.acc_rows, table.main_blocks, table.num_blocks_t),
         (out, out.stride(0), out.stride(1), out.stride(2)),
         (lse, lse.stride(0), lse.stride(1), lse.stride(2)),
         (o_acc, o_acc.stride(0), o_acc.stride(1), o_acc.stride(2)),
@@ -560,8 +565,8 @@ def launch(
     )
     _launch_fitting(args, consts, (table.num_sm_parts, s_q, triton.cdiv(h_q, block_h)), config, dev)
     if table.any_split:
-        combine_fwd(o_acc, l_acc, table.num_splits, out, lse, p.attn_sink)
-    return out.to(torch.bfloat16), lse
+        combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink)
+    return finish_outputs(p, out, lse)
 
 
 def _launch_fitting(args: tuple, consts: dict, grid: tuple, config: PortableConfig, dev: torch.device) -> None:

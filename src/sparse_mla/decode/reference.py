@@ -153,20 +153,20 @@ def combine_weights(lse_log2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def combine_reference(
     o_accum: torch.Tensor,
     lse_accum: torch.Tensor,
-    num_splits: torch.Tensor,
+    acc_rows: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     attn_sink: torch.Tensor | None = None,
 ) -> None:
-    """Merge split partial results in place into ``out``/``lse`` (batches with one split untouched).
+    """Merge split partial results in place into ``out``/``lse`` (batches with fewer than two rows untouched).
 
     Args:
         o_accum: ``[rows, s_q, h_q, d_v]`` fp32 partial outputs (each normalised by its own sum).
         lse_accum: ``[rows, s_q, h_q]`` fp32 log2-space partial LSE (-inf = no valid key).
-        num_splits: ``[b + 1]`` int32 prefix sums.
+        acc_rows: ``[b + 1]`` int32 prefix sums of rows per batch (scheduler's ``acc_rows``).
         out: ``[b, s_q, h_q, d_v]`` output; lse ``[b, h_q, s_q]`` natural-log output.
     """
-    ns = num_splits.tolist()
+    ns = acc_rows.tolist()
     for i in range(len(ns) - 1):
         a, e = ns[i], ns[i + 1]
         if e - a <= 1:
@@ -210,10 +210,10 @@ def sparse_decode_split_reference(
     s2 = s * (sm_scale * LOG2E)  # log2-space scores [b, s_q, h, T]
     out = torch.zeros(b, s_q, h_q, d_v, dtype=torch.float32, device=q.device)
     lse = torch.zeros(b, h_q, s_q, dtype=torch.float32, device=q.device)
-    rows = b + sched.num_sm_parts
+    rows = max(sched.num_acc_rows, 1)
     o_acc = torch.full((rows, s_q, h_q, d_v), float("nan"), device=q.device)
     l_acc = torch.full((rows, s_q, h_q), float("nan"), device=q.device)
-    ns = sched.num_splits.tolist()
+    ns = sched.acc_rows.tolist()
     mb = sched.main_blocks.tolist()
     for r in sched.rows():
         for req in range(r["begin_req"], r["end_req"] + 1):
@@ -237,7 +237,7 @@ def sparse_decode_split_reference(
             o = torch.einsum("shn,snd->shd", p, v[req][:, cols_t])
             o = o / torch.where(psum == 0, torch.ones_like(psum), psum).unsqueeze(-1)
             lse2 = torch.where(psum == 0, torch.full_like(psum, float("-inf")), torch.log2(psum) + m_safe)
-            if ns[req + 1] - ns[req] == 1:  # not split: final result directly
+            if ns[req + 1] - ns[req] <= 1:  # not split: final result directly
                 lse_nat = torch.where(torch.isneginf(lse2), torch.full_like(lse2, float("inf")), lse2 / LOG2E)
                 o = o * _sink_factor(lse_nat, attn_sink).unsqueeze(-1)
                 out[req] = torch.where(torch.isinf(lse_nat).unsqueeze(-1) & (lse_nat > 0).unsqueeze(-1), 0.0, o)
@@ -245,5 +245,5 @@ def sparse_decode_split_reference(
             else:
                 o_acc[ns[req] + split] = o
                 l_acc[ns[req] + split] = lse2
-    combine_reference(o_acc, l_acc, sched.num_splits, out, lse, attn_sink)
+    combine_reference(o_acc, l_acc, sched.acc_rows, out, lse, attn_sink)
     return out, lse

@@ -14,7 +14,7 @@ they can be traced by ``torch.compile`` (``fullgraph=True``) and captured in CUD
 
 A custom op cannot take the :class:`~sparse_mla.plan.FlashMLASchedMeta` object, so
 ``sparse_mla::sparse_decode`` takes the scheduler's tensors (``tile_scheduler_metadata``,
-``num_splits``, ``main_blocks``, ``num_blocks``), the ``any_split`` flag and the backend's name;
+``acc_rows``, ``main_blocks``, ``num_blocks``), the ``any_split`` flag and the backend's name;
 :func:`sparse_decode` below is the convenient entry point: it fills a ``FlashMLASchedMeta`` on
 first use (the only host read, as in :func:`sparse_mla.flash_mla_with_kvcache`) and calls the op
 with its tensors. :func:`sparse_mla.flash_mla_with_kvcache` itself calls the op when it is being
@@ -35,7 +35,7 @@ from ..decode.backends import resolve_backend, run_decode
 from ..plan import DecodePlan, FlashMLASchedMeta, check_sched_meta, ensure_plan
 from ..problem import DecodeProblem, empty_outputs, is_empty, validate_sparse_decode
 from ..runtime import use_triton
-from ..scheduler import META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
+from ..scheduler import MAX_ACC_ROWS_PER_PART, META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
 
 __all__ = [
     "sparse_decode",
@@ -60,14 +60,14 @@ D_V = 512
 def _check_sched_tensors(
     q: torch.Tensor,
     metadata: torch.Tensor,
-    num_splits: torch.Tensor,
+    acc_rows: torch.Tensor,
     main_blocks: torch.Tensor,
     num_blocks: torch.Tensor,
 ) -> None:
     b = q.shape[0]
     for name, t, shape in (
         ("tile_scheduler_metadata", metadata, None),
-        ("num_splits", num_splits, (b + 1,)),
+        ("acc_rows", acc_rows, (b + 1,)),
         ("main_blocks", main_blocks, (b,)),
         ("num_blocks", num_blocks, (b,)),
     ):
@@ -85,7 +85,7 @@ def _check_sched_tensors(
 
 def bound_schedule_tensors(
     metadata: torch.Tensor,
-    num_splits: torch.Tensor,
+    acc_rows: torch.Tensor,
     main_blocks: torch.Tensor,
     num_blocks: torch.Tensor,
     b: int,
@@ -97,7 +97,7 @@ def bound_schedule_tensors(
 
     Tensors made by the scheduler come back unchanged. Forged ones cannot make a kernel read or
     write out of bounds or loop without end afterwards: requests stay in ``[0, b)``, blocks in
-    ``[0, ceil(topk/64) + ceil(extra_topk/64)]``, ``num_splits`` becomes a non-decreasing
+    ``[0, ceil(topk/64) + ceil(extra_topk/64)]``, ``acc_rows`` becomes a non-decreasing
     sequence from 0 within ``[0, rows - 1]`` and split indices stay inside their batch's rows.
     The results are contiguous whatever the inputs' strides (the kernels index them densely).
     """
@@ -106,7 +106,7 @@ def bound_schedule_tensors(
     blk_max = main_max + (-(-extra_topk // bs))
     mb = main_blocks.clamp(0, main_max).contiguous()
     nb = torch.maximum(num_blocks.clamp(0, blk_max), mb).contiguous()
-    ns = num_splits.clamp(0, rows - 1)
+    ns = acc_rows.clamp(0, rows - 1)
     ns = torch.cummax(ns, dim=0).values
     ns = torch.cat([ns.new_zeros(1), ns[1:]])
     md = metadata.clone(memory_format=torch.contiguous_format)
@@ -130,7 +130,7 @@ def _sparse_decode_op(
     k_cache: torch.Tensor,
     indices: torch.Tensor,
     tile_scheduler_metadata: torch.Tensor,
-    num_splits: torch.Tensor,
+    acc_rows: torch.Tensor,
     main_blocks: torch.Tensor,
     num_blocks: torch.Tensor,
     any_split: bool,
@@ -156,19 +156,19 @@ def _sparse_decode_op(
     )
     if is_empty(p):
         return empty_outputs(p)
-    _check_sched_tensors(q, tile_scheduler_metadata, num_splits, main_blocks, num_blocks)
+    _check_sched_tensors(q, tile_scheduler_metadata, acc_rows, main_blocks, num_blocks)
     b = q.shape[0]
-    rows = b + int(tile_scheduler_metadata.shape[0])
+    rows = MAX_ACC_ROWS_PER_PART * int(tile_scheduler_metadata.shape[0]) + 1
     extra_topk = 0 if extra_indices is None else extra_indices.shape[2]
     bounded = bound_schedule_tensors(
-        tile_scheduler_metadata, num_splits, main_blocks, num_blocks, b, indices.shape[2], extra_topk, rows
+        tile_scheduler_metadata, acc_rows, main_blocks, num_blocks, b, indices.shape[2], extra_topk, rows
     )
     on_host = q.device.type == "cpu"
     if on_host:
         # checkable without a sync: values the scheduler cannot have made are an error here
         for name, t, ok in zip(
-            ("tile_scheduler_metadata", "num_splits", "main_blocks", "num_blocks"),
-            (tile_scheduler_metadata, num_splits, main_blocks, num_blocks),
+            ("tile_scheduler_metadata", "acc_rows", "main_blocks", "num_blocks"),
+            (tile_scheduler_metadata, acc_rows, main_blocks, num_blocks),
             bounded,
             strict=True,
         ):
@@ -176,10 +176,9 @@ def _sparse_decode_op(
                 raise ValueError(
                     f"{name}: values out of range for this call (use schedule_tensors() of a filled scheduler)"
                 )
-        ns = num_splits.tolist()
-        split = any(ns[i + 1] - ns[i] > 1 for i in range(len(ns) - 1))
+        split = int(acc_rows[-1]) > 0
         if split and not any_split:
-            raise ValueError("any_split: False, but num_splits says some batch is split (pass True)")
+            raise ValueError("any_split: False, but acc_rows says some batch is split (pass True)")
     else:
         # cannot be checked without a host sync: a wrong False would let the kernel write split
         # rows past 1-row accumulators, so off the host the accumulators are always allocated
@@ -196,6 +195,8 @@ def _sparse_decode_op(
         payload=0,
         num_blocks_t=nb,
         any_split=bool(any_split),
+        acc_rows=ns_t,
+        num_acc_rows=int(ns_t[-1]) if on_host else (rows - 1 if any_split else 0),
     )
     return run_decode(p, resolve_backend(p, backend), table)
 
@@ -206,7 +207,7 @@ def _(
     k_cache,
     indices,
     tile_scheduler_metadata,
-    num_splits,
+    acc_rows,
     main_blocks,
     num_blocks,
     any_split,
@@ -227,7 +228,7 @@ def _(
 def schedule_tensors(tile_scheduler_metadata: FlashMLASchedMeta) -> dict:
     """The keyword arguments of ``torch.ops.sparse_mla.sparse_decode`` held by a filled scheduler object.
 
-    Returns ``{"tile_scheduler_metadata": [num_sm_parts, 8] int32, "num_splits": [b + 1] int32,
+    Returns ``{"tile_scheduler_metadata": [num_sm_parts, 8] int32, "acc_rows": [b + 1] int32,
     "main_blocks": [b] int32, "num_blocks": [b] int32, "any_split": bool, "backend": str}``.
 
     Raises:
@@ -247,7 +248,7 @@ def _plan_tensors(plan: DecodePlan) -> dict:
     t = plan.table
     return dict(
         tile_scheduler_metadata=t.metadata,
-        num_splits=t.num_splits,
+        acc_rows=t.acc_rows,
         main_blocks=t.main_blocks,
         num_blocks=t.num_blocks_t,
         any_split=t.any_split,
@@ -324,30 +325,50 @@ def decode(
     extra_topk_length: Optional[torch.Tensor] = None,
     backend: str = "auto",
     through_op: bool = False,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse decode behind :func:`sparse_mla.flash_mla_with_kvcache` and :func:`sparse_decode`:
-    validate, plan (first call), launch. Compiled, it goes straight to the op
-    (:func:`traced_sparse_decode`); eager, through the op only when ``through_op``."""
+    validate, plan (first call), launch with the plan's workspace. Compiled, it goes straight to
+    the op (:func:`traced_sparse_decode`); eager, through the op only when ``through_op``. The op
+    allocates its outputs: a caller's ``out``/``lse`` then get a copy."""
     check_sched_meta(tile_scheduler_metadata)
     if torch.compiler.is_compiling():
         if head_dim_v != D_V or not is_fp8_kvcache or causal:
             raise ValueError("head_dim_v / is_fp8_kvcache / causal: the sparse decode needs 512 / True / False")
-        return traced_sparse_decode(
+        return _copied_into(out, lse, traced_sparse_decode(
             q, k_cache, indices, tile_scheduler_metadata, softmax_scale, topk_length, attn_sink, extra_k_cache,
             extra_indices_in_kvcache, extra_topk_length,
-        )  # fmt: skip
+        ))  # fmt: skip
     p = validate_sparse_decode(
         q=q, k_cache=k_cache, indices=indices, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
         is_fp8_kvcache=is_fp8_kvcache, causal=causal, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
         extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
-        extra_topk_length=extra_topk_length,
+        extra_topk_length=extra_topk_length, out=out, lse=lse,
     )  # fmt: skip
     if is_empty(p):
         return empty_outputs(p)
     plan = ensure_plan(tile_scheduler_metadata, p, backend)
     if through_op:
-        return call_sparse_decode_op(p, plan)
-    return run_decode(p, plan.backend, plan.table)
+        return _copied_into(out, lse, call_sparse_decode_op(p, plan))
+    # a call being captured takes its workspace from the graph's pool (the graph then outlives
+    # the scheduler object safely); eager calls reuse the plan's
+    workspace = None if p.q.is_cuda and torch.cuda.is_current_stream_capturing() else plan.workspace
+    return run_decode(p, plan.backend, plan.table, workspace=workspace)
+
+
+def _copied_into(
+    out: Optional[torch.Tensor], lse: Optional[torch.Tensor], result: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``result`` copied into the caller's ``out``/``lse`` where given."""
+    o, l_ = result
+    if out is not None:
+        out.copy_(o)
+        o = out
+    if lse is not None:
+        lse.copy_(l_)
+        l_ = lse
+    return o, l_
 
 
 def sparse_decode(

@@ -1,0 +1,208 @@
+"""The split-KV workspace and the caller's output buffers (issue: no per-call workspace).
+
+* the scheduler's ``acc_rows``: rows for split batches only, at most 2 per partition;
+* :func:`sparse_mla.decode_workspace_bytes` bounds what any plan holds;
+* ``out=``/``lse=``: written in place (views included), the same values as without;
+* steady state: the plan's workspace is reused, nothing is allocated per call (counted on the
+  CPU by the allocator function, on a GPU with ``torch.cuda.memory_stats``); a CUDA graph keeps a
+  workspace of its own, so it outlives the scheduler object.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+
+import pytest
+import torch
+from helpers import check_decode_close, make_problem
+
+import sparse_mla as flash_mla
+import sparse_mla.library as lib
+from sparse_mla.decode import workspace as ws_mod
+from sparse_mla.plan import decode_workspace_bytes
+from sparse_mla.reference import sparse_decode_reference
+from sparse_mla.scheduler import MAX_ACC_ROWS_PER_PART, batch_num_blocks, compute_num_sm_parts, schedule
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+KERNELS = ON_GPU or os.environ.get("TRITON_INTERPRET", "0") == "1"
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="kernels need a GPU or TRITON_INTERPRET=1")
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+
+
+def _call(p, meta, **kw):
+    return flash_mla.flash_mla_with_kvcache(
+        p.q, p.k_cache, None, None, 512, meta, is_fp8_kvcache=True, **p.api_kwargs(), **kw
+    )
+
+
+# ------------------------------------------------------------------ acc_rows
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_acc_rows_count_split_batches_only(seed):
+    rnd = random.Random(seed)
+    b = rnd.randint(1, 40)
+    parts = rnd.randint(1, 70)
+    blocks = [rnd.randint(1, 40) for _ in range(b)]
+    t = schedule(blocks, parts)
+    ns, acc = t.num_splits.tolist(), t.acc_rows.tolist()
+    assert acc[0] == 0 and t.num_acc_rows == acc[-1]
+    for i in range(b):
+        n = ns[i + 1] - ns[i]
+        assert acc[i + 1] - acc[i] == (n if n > 1 else 0)
+    assert t.num_acc_rows <= MAX_ACC_ROWS_PER_PART * parts
+    assert t.any_split == (t.num_acc_rows > 0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_workspace_bound_holds_for_random_steps(seed):
+    rnd = random.Random(seed)
+    b, s_q, h_q = rnd.randint(1, 200), rnd.randint(1, 4), rnd.choice([1, 16, 32, 64, 100, 128])
+    num_sms = rnd.choice([8, 78, 132, 148])
+    topk = rnd.choice([64, 512, 2048])
+    lens = [rnd.randint(0, topk) for _ in range(b)]
+    _, total = batch_num_blocks(b, topk, lens)
+    bound = decode_workspace_bytes(b, s_q, h_q, num_sms=num_sms)
+    for hpc in (16, 64):
+        t = schedule(total, compute_num_sm_parts(num_sms, s_q, h_q, hpc))
+        used = ws_mod.accumulator_bytes(t.num_acc_rows, s_q, h_q)
+        assert used <= bound, (t.num_acc_rows, used, bound)
+
+
+def test_workspace_bytes_of_documented_shapes():
+    # 132 SMs, h_q 128, s_q 2: 33 partitions of 2 x 64 heads; at most 66 rows
+    assert decode_workspace_bytes(128, 2, 128, num_sms=132) == 66 * 2 * 128 * 513 * 4
+    # a mixed batch as one request: one partition, nothing is ever split
+    assert decode_workspace_bytes(1, 16384, 128, num_sms=132) == 8
+    with pytest.raises(ValueError, match="^h_q"):
+        decode_workspace_bytes(1, 1, 129)
+    with pytest.raises(ValueError, match="^b"):
+        decode_workspace_bytes(0, 1, 16)
+
+
+# ------------------------------------------------------------------ out= / lse=
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_sms", [2, 132])  # whole batches, split batches
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_out_and_lse_buffers_are_written_in_place(num_sms, backend):
+    p = make_problem(b=2, s_q=2, h_q=16, topk=128, seed=31, topk_length=[100, 40], attn_sink=[0.3, -1.0]).to(DEVICE)
+    meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
+    ref_out, ref_lse = _call(p, meta, backend=backend)
+    # strided views: every other head row of a bigger out, lse transposed storage
+    big = torch.full((2, 2, 32, 512), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    out = big[:, :, ::2]
+    lse = torch.full((2, 2, 16), 5.0, device=DEVICE).transpose(1, 2)
+    o, l_ = _call(p, meta, backend=backend, out=out, lse=lse)
+    assert o is out and l_ is lse
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert torch.all(big[:, :, 1::2] == 7.0)  # the rows between were not touched
+    ref = sparse_decode_reference(p.q, p.k_cache, p.indices, **p.ref_kwargs())
+    check_decode_close(out.float().cpu(), lse.cpu(), ref[0].cpu(), ref[1].cpu())
+
+
+@needs_kernels
+def test_out_and_lse_through_the_op_entry():
+    p = make_problem(b=2, s_q=1, h_q=16, topk=128, seed=32).to(DEVICE)
+    meta, _ = flash_mla.get_mla_metadata(num_sms=132)
+    ref = lib.sparse_decode(p.q, p.k_cache, p.indices, meta)
+    out = torch.empty(2, 1, 16, 512, dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.empty(2, 16, 1, device=DEVICE)
+    o, l_ = _call(p, meta, out=out, lse=lse)
+    assert o is out and torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(out=torch.empty(2, 1, 16, 512)), TypeError, "^out: expected dtype"),
+        (dict(out=torch.empty(2, 1, 16, 256, dtype=torch.bfloat16)), ValueError, "^out: expected shape"),
+        (dict(out=torch.empty(2, 1, 512, 16, dtype=torch.bfloat16).transpose(2, 3)), ValueError, "^out: the last"),
+        (dict(lse=torch.empty(2, 1, 16)), ValueError, "^lse: expected shape"),
+        (dict(lse=torch.empty(2, 16, 1, dtype=torch.float64)), TypeError, "^lse: expected dtype"),
+        (dict(out="x"), TypeError, "^out: expected a torch.Tensor"),
+    ],
+)
+def test_bad_out_and_lse_are_named(kw, exc, match):
+    p = make_problem(b=2, s_q=1, h_q=16, topk=64, seed=33)
+    meta, _ = flash_mla.get_mla_metadata()
+    with pytest.raises(exc, match=match):
+        _call(p, meta, backend="reference", **kw)
+
+
+# ------------------------------------------------------------------ steady state: no allocation
+
+
+@needs_kernels
+def test_workspace_is_allocated_once_per_scheduler_object(monkeypatch):
+    p = make_problem(b=2, s_q=1, h_q=16, topk=256, seed=34).to(DEVICE)
+    meta, _ = flash_mla.get_mla_metadata(num_sms=132)
+    calls = []
+    real = ws_mod.split_accumulators
+
+    def counting(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ws_mod, "split_accumulators", counting)
+    import sparse_mla.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "split_accumulators", counting)
+    first = _call(p, meta)
+    assert len(calls) == 1 and meta.table.any_split  # the plan's, sized by the schedule
+    ws_ptrs = [t.data_ptr() for t in meta.plan.workspace]
+    for _ in range(3):
+        again = _call(p, meta)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    assert len(calls) == 1  # reused: no per-call workspace
+    assert [t.data_ptr() for t in meta.plan.workspace] == ws_ptrs
+    assert meta.workspace_bytes == ws_mod.accumulator_bytes(meta.table.num_acc_rows, 1, 16)
+    assert 0 < meta.workspace_bytes <= decode_workspace_bytes(2, 1, 16, num_sms=132)
+
+
+@needs_gpu
+def test_no_device_allocation_in_steady_state():
+    p = make_problem(b=4, s_q=2, h_q=64, topk=512, num_blocks=20, seed=35).to("cuda")
+    meta, _ = flash_mla.get_mla_metadata()
+    out = torch.empty(4, 2, 64, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(4, 64, 2, device="cuda")
+    _call(p, meta, out=out, lse=lse)
+    assert meta.table.any_split
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    for _ in range(100):
+        _call(p, meta, out=out, lse=lse)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    assert after["allocation.all.allocated"] == before["allocation.all.allocated"]
+    assert after["reserved_bytes.all.peak"] == before["reserved_bytes.all.peak"]
+    # without out=: two output tensors per call from the caching allocator, no new device memory
+    for _ in range(100):
+        _call(p, meta)
+    torch.cuda.synchronize()
+    final = torch.cuda.memory_stats()
+    assert final["allocation.all.allocated"] - after["allocation.all.allocated"] == 200
+    assert final["reserved_bytes.all.peak"] == before["reserved_bytes.all.peak"]
+
+
+@needs_gpu
+def test_graph_keeps_its_own_workspace():
+    p = make_problem(b=2, s_q=2, h_q=128, topk=512, num_blocks=20, seed=36).to("cuda")
+    meta, _ = flash_mla.get_mla_metadata()
+    ref = _call(p, meta)
+    assert meta.table.any_split
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = _call(p, meta)
+    del meta
+    gc.collect()
+    junk = torch.full((1 << 24,), float("nan"), device="cuda")  # reuse freed memory, if any was
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+    del junk
