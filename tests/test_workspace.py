@@ -206,3 +206,65 @@ def test_graph_keeps_its_own_workspace():
     torch.cuda.synchronize()
     assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
     del junk
+
+
+# ------------------------------------------------------------------ repeated calls: the shortcut
+
+
+@needs_kernels
+def test_repeated_calls_skip_validation_but_not_the_data(monkeypatch):
+    import sparse_mla.serving.ops as ops
+
+    p1 = make_problem(b=2, s_q=1, h_q=16, topk=128, seed=40, topk_length=[128, 60]).to(DEVICE)
+    p2 = make_problem(b=2, s_q=1, h_q=16, topk=128, seed=41, topk_length=[128, 60]).to(DEVICE)
+    meta, _ = flash_mla.get_mla_metadata(num_sms=132)
+    _call(p1, meta)
+    n = []
+    real = ops.validate_sparse_decode
+    monkeypatch.setattr(ops, "validate_sparse_decode", lambda **kw: n.append(1) or real(**kw))
+    got = _call(p2, meta)  # same geometry, other data: no validation, p2's data
+    assert n == []
+    fresh, _ = flash_mla.get_mla_metadata(num_sms=132)
+    want = _call(p2, fresh)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert meta.call_cache[2].q is None  # the object keeps no tensor of the call alive
+    # anything else: the full checks run and name the argument
+    with pytest.raises(TypeError, match="^q: expected dtype"):
+        flash_mla.flash_mla_with_kvcache(
+            p2.q.float(), p2.k_cache, None, None, 512, meta, is_fp8_kvcache=True, **p2.api_kwargs()
+        )
+    with pytest.raises(ValueError, match="^tile_scheduler_metadata: this object was filled for another"):
+        flash_mla.flash_mla_with_kvcache(
+            p2.q[:1], p2.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=p2.indices[:1]
+        )
+    with pytest.raises(ValueError, match="^softmax_scale"):
+        _call(p2, meta, softmax_scale=-1.0)
+    assert len(n) == 4  # the fresh object's first call and the three bad calls
+
+
+@needs_gpu
+def test_direct_launch_matches_triton_launch(monkeypatch):
+    from sparse_mla.decode import launcher
+
+    p = make_problem(b=3, s_q=2, h_q=64, topk=256, num_blocks=12, seed=42, attn_sink=[0.5]).to("cuda")
+    meta, _ = flash_mla.get_mla_metadata()
+    ref = [t.clone() for t in _call(p, meta)]
+    n_keys = len(launcher._CACHE)
+    assert n_keys >= 2  # the decode kernel and the combine are remembered
+    for _ in range(3):
+        got = _call(p, meta)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    # a q view 2 bytes past a 16-byte boundary: another specialisation, launched by Triton first
+    big = torch.empty(p.q.numel() + 8, dtype=torch.bfloat16, device="cuda")
+    q_off = big[1 : 1 + p.q.numel()].view(p.q.shape)
+    q_off.copy_(p.q)
+    meta2, _ = flash_mla.get_mla_metadata()
+    assert q_off.data_ptr() % 16 == 2
+    got = flash_mla.flash_mla_with_kvcache(
+        q_off, p.k_cache, None, None, 512, meta2, is_fp8_kvcache=True, **p.api_kwargs()
+    )
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert len(launcher._CACHE) > n_keys
+    monkeypatch.setenv("SPARSE_MLA_DIRECT_LAUNCH", "0")
+    got = _call(p, meta)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])

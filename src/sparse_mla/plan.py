@@ -9,7 +9,7 @@ safe).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -105,6 +105,8 @@ class FlashMLASchedMeta:
     have_initialized: bool = False
     config: ScheduleConfig | None = None
     plan: DecodePlan | None = None
+    #: the last validated call's fingerprint and problem (serving.ops: repeated calls skip the checks)
+    call_cache: Any = field(default=None, repr=False, compare=False)
 
     @property
     def table(self) -> ScheduleTable | None:

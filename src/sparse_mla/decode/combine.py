@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import interpreting, require_runnable
+from .launcher import launch as launch_kernel
 
 
 @triton.jit
@@ -212,7 +213,7 @@ def combine_fwd(
     if d_v % block_d:
         raise ValueError(f"out: d_v must be a multiple of {block_d}, got {d_v}")
     grid = (b, s_q * triton.cdiv(h_q, block_h), d_v // block_d)
-    _combine_kernel[grid](
+    args = (
         o_accum,
         o_accum.stride(0),
         o_accum.stride(1),
@@ -234,10 +235,8 @@ def combine_fwd(
         lse.stride(2),
         h_q,
         s_q,
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        BLOCK_S=32,
-        HAS_SINK=attn_sink is not None,
-        FOR_LOOP=not interpreting(),
-        num_warps=4,
     )
+    consts = dict(
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=32, HAS_SINK=attn_sink is not None, FOR_LOOP=not interpreting()
+    )
+    launch_kernel(_combine_kernel, grid, args, consts, {"num_warps": 4})

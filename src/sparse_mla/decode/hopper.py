@@ -64,6 +64,7 @@ from ..problem import DecodeProblem, output_tensors
 from ..runtime import LOG2E
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable
 from .combine import combine_fwd
+from .launcher import launch as launch_kernel
 from .workspace import split_accumulators
 
 __all__ = [
@@ -535,7 +536,7 @@ def launch(
     pow2 = pbs & (pbs - 1) == 0
     dummy_i32 = table.acc_rows
     grid = (table.num_sm_parts, s_q, -(-h_q // BLOCK_H))
-    _sparse_decode_gluon_kernel[grid](
+    args = (
         q,
         q.stride(0),
         q.stride(1),
@@ -571,6 +572,8 @@ def launch(
         l_acc.stride(1),
         p.sm_scale * LOG2E,
         h_q,
+    )
+    consts = dict(
         HAS_TOPK_LEN=p.topk_length is not None,
         HAS_SINK=p.attn_sink is not None,
         PBS_POW2=pow2,
@@ -578,8 +581,9 @@ def launch(
         PRODUCER_WARPS=config.producer_warps,
         PRODUCER_REGS=config.producer_regs,
         PROFILE=config.profile,
-        num_warps=CONSUMER_WARPS,
-        maxnreg=config.maxnreg,
+    )
+    launch_kernel(
+        _sparse_decode_gluon_kernel, grid, args, consts, {"num_warps": CONSUMER_WARPS, "maxnreg": config.maxnreg}
     )
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink)

@@ -35,6 +35,7 @@ from ..problem import DecodeProblem, finish_outputs, output_tensors
 from ..runtime import LOG2E, interpreting, require_runnable
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, small_head_tile
 from .combine import combine_fwd, final_out_lse
+from .launcher import launch as launch_kernel
 from .workspace import split_accumulators
 
 __all__ = ["PortableConfig", "launch"]
@@ -573,11 +574,13 @@ def _launch_fitting(args: tuple, consts: dict, grid: tuple, config: PortableConf
     """Launch with ``config.num_stages`` pipeline stages, or fewer when the variant does not fit in
     shared memory (seen: MODEL1 with an extra cache wants 246 KB at 2 stages on an H200); the
     stage count that fits is remembered per variant."""
-    key = (dev.type, dev.index, tuple(sorted((k, str(v)) for k, v in consts.items())), config.num_warps)
+    key = (dev, tuple(consts.items()), config.num_warps)
     stages = min(config.num_stages, _STAGE_CAP.get(key, config.num_stages))
     while True:
         try:
-            _sparse_decode_kernel[grid](*args, **consts, NUM_STAGES=stages, num_warps=config.num_warps)
+            launch_kernel(
+                _sparse_decode_kernel, grid, args, {**consts, "NUM_STAGES": stages}, {"num_warps": config.num_warps}
+            )
             return
         except triton.runtime.errors.OutOfResources:
             if stages <= 1:

@@ -1,0 +1,91 @@
+"""Kernel launches with less host time than ``kernel[grid](...)`` on repeated calls.
+
+Triton's ``JITFunction.run`` binds and specialises every argument, builds a cache key and looks
+the compiled kernel up on each call: ~20-30 µs of host time per launch for our 40-argument
+kernels (measured on the H200's host, ``python -m benchmarks.host``), which made eager decode
+calls at small batch host-bound. :func:`launch` remembers the compiled kernel per *specialisation
+key* that we compute ourselves, a superset of what Triton specialises on (tensor dtypes and
+16-byte alignment; for integers: equal to 1, divisible by 16, 32-bit range; the constexpr values
+and launch options), and on a hit calls the compiled kernel's launcher directly.
+
+The first call of every key, calls made while a Triton launch hook is installed (profilers), and
+everything under the interpreter take Triton's normal path. ``SPARSE_MLA_DIRECT_LAUNCH=0``
+turns the direct path off (for debugging).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..runtime import interpreting
+
+__all__ = ["launch", "direct_launch_enabled"]
+
+_CACHE: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
+_I32 = (-(2**31), 2**31)
+
+
+def direct_launch_enabled() -> bool:
+    """Whether repeated launches go straight to the compiled kernel (``SPARSE_MLA_DIRECT_LAUNCH``,
+    default on; always off under the interpreter)."""
+    return os.environ.get("SPARSE_MLA_DIRECT_LAUNCH", "1") != "0" and not interpreting()
+
+
+def _spec(a: Any) -> Any:
+    """What a compiled kernel depends on in a runtime argument."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() & 15 == 0)
+    if a is None or isinstance(a, bool):
+        return a
+    if isinstance(a, int):
+        return (a == 1, a & 15 == 0, _I32[0] <= a < _I32[1])
+    if isinstance(a, float):
+        return float
+    if isinstance(a, tuple):
+        return tuple(_spec(x) for x in a)
+    raise TypeError(f"direct launch: unexpected argument type {type(a).__name__}")
+
+
+def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, options: dict) -> None:
+    """``kernel[grid](*args, **consts, **options)``, through the compiled kernel's launcher when
+    this specialisation was launched before.
+
+    Args:
+        kernel: a ``triton.jit`` / ``gluon.jit`` function.
+        grid: three grid dimensions.
+        args: the runtime arguments, positionally (tensors, ints, floats, tuples of them).
+        consts: every constexpr parameter after them, by name.
+        options: launch options (``num_warps``, ``num_stages``, ``maxnreg``, ...).
+    """
+    if not direct_launch_enabled():
+        kernel[grid](*args, **consts, **options)
+        return
+    from triton import knobs
+
+    dev = torch.cuda.current_device()
+    key = (kernel, dev, tuple(_spec(a) for a in args), tuple(consts.items()), tuple(options.items()))
+    hit = _CACHE.get(key)
+    if hit is None or knobs.runtime.launch_enter_hook is not None:
+        compiled = kernel[grid](*args, **consts, **options)
+        names = tuple(kernel.arg_names[len(args) :])
+        if hit is None and compiled is not None and set(names) == set(consts):
+            _CACHE[key] = (compiled, names)
+        return
+    compiled, names = hit
+    stream = torch._C._cuda_getCurrentRawStream(dev)
+    compiled.run(
+        grid[0],
+        grid[1],
+        grid[2],
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        None,  # launch metadata: only for launch hooks, excluded above
+        None,
+        None,
+        *args,
+        *(consts[n] for n in names),
+    )
