@@ -111,7 +111,8 @@ def bench_shape(s: DecodeShape, n: int, profile: bool, quick: bool) -> dict:
             pr.disable()
             sync()
             buf = io.StringIO()
-            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(20)
+            pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(30)
             row["profile"] = buf.getvalue()
     # the Python path alone: the backend's launch replaced by ready outputs
     out = torch.empty(s.b, s.s_q, s.h_q, 512, dtype=torch.bfloat16, device=dev)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: the whole test suite compiled on CUDA (real shapes in tests/test_gpu.py, the Hopper
 # kernel in tests/test_gluon.py, the serving path in tests/test_serving_gpu.py), then the decode
-# benchmark (BENCH_ARGS, e.g. --quick), the store benchmark and serve-sim at DeepSeek-V3.2 size.
+# benchmark (BENCH_ARGS, e.g. --quick), the host time of eager calls, the store benchmark and
+# serve-sim at DeepSeek-V3.2 size.
 # Run on the device from the repo root; logs and the benchmarks' JSON go to $OUT (or ./gpu_out).
 # Extra arguments go to pytest.
 #
@@ -17,7 +18,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ "${1:-}" = "--memcheck" ]; then
     shift
     # small shapes only: memcheck slows every kernel by 10-100x
-    tests=(tests/test_contract_edges.py tests/test_kernels.py tests/test_store_kv.py tests/test_index_convert.py
+    tests=(tests/test_contract_edges.py tests/test_workspace.py tests/test_kernels.py tests/test_store_kv.py tests/test_index_convert.py
            tests/test_library.py "tests/test_gluon.py::test_partial_head_tile" "tests/test_gluon.py::test_topk_length_sink_nan"
            "tests/test_gluon.py::test_lonely_rows_all_invalid" "tests/test_gluon.py::test_odd_page_block_size")
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
@@ -29,6 +30,7 @@ fi
 python3 -m pytest -q -p no:cacheprovider tests/ "${@}" 2>&1 | tee "$OUT/pytest.log" | tail -25
 status=${PIPESTATUS[0]}
 python3 -m benchmarks.decode ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+python3 -m benchmarks.host --quick --json "$OUT/bench_host.json" 2>&1 | tee "$OUT/bench_host.log"
 python3 -m benchmarks.store --quick --json "$OUT/bench_store.json" > "$OUT/bench_store.log" 2>&1; tail -15 "$OUT/bench_store.log"
 python3 -m sparse_mla serve-sim --device cuda --no-progress --json "$OUT/serve_sim.json" 2>&1 | tee "$OUT/serve_sim.log" | tail -16
 exit $status

@@ -251,9 +251,16 @@ def test_direct_launch_matches_triton_launch(monkeypatch):
     ref = [t.clone() for t in _call(p, meta)]
     n_keys = len(launcher._CACHE)
     assert n_keys >= 2  # the decode kernel and the combine are remembered
+    from sparse_mla.decode import combine, hopper, portable
+
+    decode_kernel = hopper._sparse_decode_gluon_kernel if meta.backend == "hopper" else portable._sparse_decode_kernel
+    through_triton = []
+    for k in (decode_kernel, combine._combine_kernel):
+        monkeypatch.setattr(k, "run", lambda *a, _run=k.run, **kw: through_triton.append(1) or _run(*a, **kw))
     for _ in range(3):
         got = _call(p, meta)
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert through_triton == []  # relaunched directly
     # a q view 2 bytes past a 16-byte boundary: another specialisation, launched by Triton first
     big = torch.empty(p.q.numel() + 8, dtype=torch.bfloat16, device="cuda")
     q_off = big[1 : 1 + p.q.numel()].view(p.q.shape)
@@ -265,6 +272,8 @@ def test_direct_launch_matches_triton_launch(monkeypatch):
     )
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert len(launcher._CACHE) > n_keys
+    assert len(through_triton) == 1  # the decode kernel's new specialisation went through Triton once
     monkeypatch.setenv("SPARSE_MLA_DIRECT_LAUNCH", "0")
     got = _call(p, meta)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert len(through_triton) == 3

@@ -4,9 +4,11 @@ Triton's ``JITFunction.run`` binds and specialises every argument, builds a cach
 the compiled kernel up on each call: ~20-30 µs of host time per launch for our 40-argument
 kernels (measured on the H200's host, ``python -m benchmarks.host``), which made eager decode
 calls at small batch host-bound. :func:`launch` remembers the compiled kernel per *specialisation
-key* that we compute ourselves, a superset of what Triton specialises on (tensor dtypes and
-16-byte alignment; for integers: equal to 1, divisible by 16, 32-bit range; the constexpr values
-and launch options), and on a hit calls the compiled kernel's launcher directly.
+key* that we compute ourselves, finer than what Triton specialises on (tensor dtypes and 16-byte
+alignment, the integer arguments' values, the constexpr values and launch options), and on a
+hit calls the compiled kernel's launcher directly. (A new integer value is a miss: Triton's path
+runs once and its kernel is remembered under the new key; the cache holds at most
+:data:`MAX_KEYS` keys.)
 
 The first call of every key, calls made while a Triton launch hook is installed (profilers), and
 everything under the interpreter take Triton's normal path. ``SPARSE_MLA_DIRECT_LAUNCH=0``
@@ -25,7 +27,8 @@ from ..runtime import interpreting
 __all__ = ["launch", "direct_launch_enabled"]
 
 _CACHE: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
-_I32 = (-(2**31), 2**31)
+#: keys remembered at most (the cache is emptied when it is full)
+MAX_KEYS = 4096
 
 
 def direct_launch_enabled() -> bool:
@@ -35,18 +38,27 @@ def direct_launch_enabled() -> bool:
 
 
 def _spec(a: Any) -> Any:
-    """What a compiled kernel depends on in a runtime argument."""
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() & 15 == 0)
-    if a is None or isinstance(a, bool):
+    """The key of one runtime argument: an int's value, a tensor's dtype and 16-byte alignment,
+    a float's type (Triton passes it as fp32 whatever its value), tuples element by element."""
+    if type(a) is int or a is None or isinstance(a, bool):
         return a
-    if isinstance(a, int):
-        return (a == 1, a & 15 == 0, _I32[0] <= a < _I32[1])
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() & 15)
     if isinstance(a, float):
         return float
     if isinstance(a, tuple):
         return tuple(_spec(x) for x in a)
     raise TypeError(f"direct launch: unexpected argument type {type(a).__name__}")
+
+
+def _hooks_installed() -> bool:
+    """Whether a Triton launch hook is installed (profilers): those launches go through Triton."""
+    from triton import knobs
+
+    for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return True
+    return False
 
 
 def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, options: dict) -> None:
@@ -63,15 +75,19 @@ def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, o
     if not direct_launch_enabled():
         kernel[grid](*args, **consts, **options)
         return
-    from triton import knobs
-
     dev = torch.cuda.current_device()
-    key = (kernel, dev, tuple(_spec(a) for a in args), tuple(consts.items()), tuple(options.items()))
+    # inline for the common argument types (a function call per argument costs more than the rest)
+    spec = tuple(
+        [a if type(a) is int else (a.dtype, a.data_ptr() & 15) if type(a) is torch.Tensor else _spec(a) for a in args]
+    )
+    key = (kernel, dev, spec, tuple(consts.items()), tuple(options.items()))
     hit = _CACHE.get(key)
-    if hit is None or knobs.runtime.launch_enter_hook is not None:
+    if hit is None or _hooks_installed():
         compiled = kernel[grid](*args, **consts, **options)
         names = tuple(kernel.arg_names[len(args) :])
         if hit is None and compiled is not None and set(names) == set(consts):
+            if len(_CACHE) >= MAX_KEYS:
+                _CACHE.clear()
             _CACHE[key] = (compiled, names)
         return
     compiled, names = hit
