@@ -30,6 +30,10 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 KERNELS = ON_GPU or os.environ.get("TRITON_INTERPRET", "0") == "1"
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="kernels need a GPU or TRITON_INTERPRET=1")
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+# memory statistics and graph capture need PyTorch's caching allocator (memcheck runs turn it off)
+needs_caching_allocator = pytest.mark.skipif(
+    not ON_GPU or os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1", reason="needs CUDA's caching allocator"
+)
 
 
 def _call(p, meta, **kw):
@@ -164,7 +168,7 @@ def test_workspace_is_allocated_once_per_scheduler_object(monkeypatch):
     assert 0 < meta.workspace_bytes <= decode_workspace_bytes(2, 1, 16, num_sms=132)
 
 
-@needs_gpu
+@needs_caching_allocator
 def test_no_device_allocation_in_steady_state():
     p = make_problem(b=4, s_q=2, h_q=64, topk=512, num_blocks=20, seed=35).to("cuda")
     meta, _ = flash_mla.get_mla_metadata()
@@ -189,7 +193,7 @@ def test_no_device_allocation_in_steady_state():
     assert final["reserved_bytes.all.peak"] == before["reserved_bytes.all.peak"]
 
 
-@needs_gpu
+@needs_caching_allocator
 def test_graph_keeps_its_own_workspace():
     p = make_problem(b=2, s_q=2, h_q=128, topk=512, num_blocks=20, seed=36).to("cuda")
     meta, _ = flash_mla.get_mla_metadata()
