@@ -56,6 +56,14 @@ def host_us(fn: Callable[[], object], n: int, sync: Callable[[], None]) -> float
     return 1e6 * statistics.median(times)
 
 
+def decode_call(inp: harness.DecodeInputs, meta: flash_mla.FlashMLASchedMeta, i: int = 0) -> Callable[[], object]:
+    """The eager decode call on ``inp``'s ``i``-th index set with scheduler object ``meta``."""
+    idx = inp.index_sets[i]
+    return lambda: flash_mla.flash_mla_with_kvcache(
+        inp.q, inp.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx
+    )
+
+
 def bench_shape(s: DecodeShape, n: int, profile: bool, quick: bool) -> dict:
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -63,11 +71,7 @@ def bench_shape(s: DecodeShape, n: int, profile: bool, quick: bool) -> dict:
     idx = inp.index_sets[0]
     meta, _ = flash_mla.get_mla_metadata()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    def call():
-        return flash_mla.flash_mla_with_kvcache(
-            inp.q, inp.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx
-        )
+    call = decode_call(inp, meta)
 
     def validate():
         return validate_sparse_decode(q=inp.q, k_cache=inp.k_cache, indices=idx)
@@ -82,34 +86,21 @@ def bench_shape(s: DecodeShape, n: int, profile: bool, quick: bool) -> dict:
         row["host_us"] = host_us(call, n, sync)
         row["validate_us"] = host_us(validate, n, sync)
         row["plan_us"] = host_us(lambda: ensure_plan(meta, p), n, sync)
-        row["launch_us"] = host_us(lambda: plan.backend.launch(p, plan.table), n, sync)
+        row["launch_us"] = host_us(lambda: plan.backend.launch(p, plan.table, None, plan.workspace), n, sync)
+        calls = [decode_call(inp, meta, i) for i in range(len(inp.index_sets))]
         state = {"i": 0}
 
         def rotating():
             state["i"] += 1
-            i = state["i"] % len(inp.index_sets)
-            return flash_mla.flash_mla_with_kvcache(
-                inp.q, inp.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=inp.index_sets[i]
-            )
+            return calls[state["i"] % len(calls)]()
 
         row["eager_us"] = harness.median_us(rotating, quick)
-        sets = inp.index_sets
-
-        def make(i):
-            return lambda: flash_mla.flash_mla_with_kvcache(
-                inp.q, inp.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=sets[i]
-            )
-
-        row["graph_us"] = harness.graph_replay_us(make, len(sets), quick)
+        row["graph_us"] = harness.graph_replay_us(lambda i: calls[i], len(calls), quick)
         if profile:
             pr = cProfile.Profile()
             pr.enable()
-            for i in range(n):
-                if i % 32 == 0:
-                    sync()
-                call()
+            host_us(call, n, sync)
             pr.disable()
-            sync()
             buf = io.StringIO()
             pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(20)
             pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(30)
@@ -122,16 +113,9 @@ def bench_shape(s: DecodeShape, n: int, profile: bool, quick: bool) -> dict:
     try:
         for b in backends_mod.BACKENDS.values():
             b.launch = lambda *a, **k: (out, lse)
-        flash_mla.flash_mla_with_kvcache(
-            inp.q, inp.k_cache, None, None, 512, stub_meta, is_fp8_kvcache=True, indices=idx
-        )
-        row["stub_us"] = host_us(
-            lambda: flash_mla.flash_mla_with_kvcache(
-                inp.q, inp.k_cache, None, None, 512, stub_meta, is_fp8_kvcache=True, indices=idx
-            ),
-            n,
-            sync,
-        )
+        stub_call = decode_call(inp, stub_meta)
+        stub_call()
+        row["stub_us"] = host_us(stub_call, n, sync)
     finally:
         for name, fn in saved.items():
             del backends_mod.BACKENDS[name].launch  # back to the class's method

@@ -251,6 +251,6 @@ def test_forged_schedule_is_rejected_or_bounded(case):
     assert int(ns.min()) >= 0 and int(ns.max()) <= rows - 1 and bool((ns[1:] >= ns[:-1]).all()) and int(ns[0]) == 0
     # the kernels run on the bounded tensors without touching memory outside their buffers
     q = validate_sparse_decode(q=p.q, k_cache=p.k_cache, indices=p.indices)
-    table = ScheduleTable(md.shape[0], md, ns, mb, [], 0, nb, True, ns, rows - 1)
+    table = ScheduleTable(md.shape[0], md, ns, mb, [], 0, nb, ns, rows - 1)
     out, lse = run_decode(q, resolve_backend(q), table)
     assert out.shape == (2, 1, 16, 512) and lse.shape == (2, 16, 1)

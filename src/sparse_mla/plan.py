@@ -17,6 +17,7 @@ import torch
 from .decode.backends import AUTO_ORDER, BACKENDS, Backend, Workspace, resolve_backend
 from .decode.workspace import accumulator_bytes, split_accumulators
 from .problem import MAX_H_Q, DecodeProblem
+from .runtime import cuda_num_sms
 from .scheduler import MAX_ACC_ROWS_PER_PART, ScheduleTable, batch_num_blocks, schedule
 
 __all__ = [
@@ -152,19 +153,8 @@ def get_mla_metadata(*args: Any, num_sms: int | None = None, **kwargs: Any) -> t
     return FlashMLASchedMeta(num_sms=num_sms), None
 
 
-_NUM_SMS: dict[torch.device, int] = {}
-
-
 def _device_num_sms(device: torch.device) -> int:
-    n = _NUM_SMS.get(device)
-    if n is None:
-        n = (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda"
-            else DEFAULT_CPU_NUM_SMS
-        )
-        _NUM_SMS[device] = n
-    return n
+    return cuda_num_sms(device) if device.type == "cuda" else DEFAULT_CPU_NUM_SMS
 
 
 def _config_of(p: DecodeProblem, num_sms: int, backend: str) -> ScheduleConfig:
@@ -210,7 +200,8 @@ def decode_workspace_bytes(b: int, s_q: int, h_q: int, num_sms: int | None = Non
 
     The workspace lives with the scheduler object (``FlashMLASchedMeta.workspace_bytes`` gives
     what one holds). Example (132 SMs, h_q 128): b=128, s_q=2 -> 33 partitions, at most 66 rows,
-    34.7 MB (FlashMLA allocates 84.6 MB per call); one request with s_q = 16384 (a mixed batch as one request) -> 1 partition, 8 bytes.
+    34.7 MB (FlashMLA allocates 84.6 MB per call); one request with s_q = 16384 (a mixed batch
+    as one request) -> 1 partition, 8 bytes.
 
     Args:
         b, s_q, h_q: batch, query tokens per request, query heads (h_q 1..128).
@@ -226,11 +217,7 @@ def decode_workspace_bytes(b: int, s_q: int, h_q: int, num_sms: int | None = Non
     if h_q > MAX_H_Q:
         raise ValueError(f"h_q: expected at most {MAX_H_Q}, got {h_q}")
     if num_sms is None:
-        num_sms = (
-            _device_num_sms(torch.device("cuda", torch.cuda.current_device()))
-            if torch.cuda.is_available()
-            else DEFAULT_CPU_NUM_SMS
-        )
+        num_sms = cuda_num_sms() if torch.cuda.is_available() else DEFAULT_CPU_NUM_SMS
     parts = max(BACKENDS[name].num_sm_parts(num_sms, s_q, h_q) for name in AUTO_ORDER)
     rows = 0 if parts == 1 else min(MAX_ACC_ROWS_PER_PART * parts, b + parts - 1)
     return accumulator_bytes(rows, s_q, h_q, d_v)

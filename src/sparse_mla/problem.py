@@ -23,6 +23,7 @@ __all__ = [
     "empty_outputs",
     "output_tensors",
     "finish_outputs",
+    "into_buffers",
     "MAX_H_Q",
 ]
 
@@ -257,13 +258,26 @@ def output_tensors(p: DecodeProblem, out_dtype: torch.dtype = torch.bfloat16) ->
 
 
 def finish_outputs(p: DecodeProblem, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` as the caller gets them: written into ``p.out`` when given (a copy when the
-    backend wrote another buffer), bf16 otherwise."""
-    if p.out is not None:
-        if out is not p.out:
-            p.out.copy_(out)
-        return p.out, lse
-    return out.to(torch.bfloat16), lse
+    """``(out, lse)`` as the caller of ``p`` gets them: :func:`into_buffers` with ``p.out``/``p.lse``."""
+    return into_buffers(p.out, p.lse, out, lse)
+
+
+def into_buffers(
+    out_buf: torch.Tensor | None, lse_buf: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` written into the caller's ``out_buf``/``lse_buf`` where given (a copy unless
+    the backend wrote them already) and returned as those; ``out`` as bf16 otherwise."""
+    if out_buf is not None:
+        if out is not out_buf:
+            out_buf.copy_(out)
+        out = out_buf
+    else:
+        out = out.to(torch.bfloat16)
+    if lse_buf is not None:
+        if lse is not lse_buf:
+            lse_buf.copy_(lse)
+        lse = lse_buf
+    return out, lse
 
 
 def empty_outputs(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,13 +11,14 @@ Triton's "0 active drivers".
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any
 
 import torch
 
-__all__ = ["interpreting", "use_triton", "require_runnable", "backend_override", "LOG2E", "LN2"]
+__all__ = ["interpreting", "use_triton", "require_runnable", "backend_override", "cuda_num_sms", "LOG2E", "LN2"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -61,3 +62,15 @@ def backend_override() -> str | None:
     ``backend="auto"``, never an explicit choice). Validated by the dispatcher."""
     name = os.environ.get("SPARSE_MLA_BACKEND", "auto")
     return None if name == "auto" else name
+
+
+def cuda_num_sms(device: torch.device | int | None = None) -> int:
+    """SM count of a CUDA device (default: the current one), looked up once per device."""
+    if isinstance(device, torch.device):
+        device = device.index
+    return _cuda_num_sms(torch.cuda.current_device() if device is None else device)
+
+
+@functools.cache
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

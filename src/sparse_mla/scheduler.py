@@ -122,7 +122,6 @@ class ScheduleTable:
         num_blocks: per-batch total blocks (host list).
         payload: capacity of one partition in blocks (overhead included).
         num_blocks_t: ``[b]`` int32, ``num_blocks`` as a tensor (read by the kernels).
-        any_split: whether some batch has more than one piece (the combine step is needed).
         acc_rows: ``[b + 1]`` int32 prefix sums of accumulator rows per batch (``n_i`` pieces for a
             split batch, 0 for the others).
         num_acc_rows: ``acc_rows[b]``, the accumulator rows the step needs (0 when nothing is split).
@@ -135,9 +134,13 @@ class ScheduleTable:
     num_blocks: list[int]
     payload: int
     num_blocks_t: torch.Tensor
-    any_split: bool
     acc_rows: torch.Tensor
     num_acc_rows: int
+
+    @property
+    def any_split(self) -> bool:
+        """Whether some batch has more than one piece (its rows need the combine step)."""
+        return self.num_acc_rows > 0
 
     def rows(self) -> list[dict[str, int]]:
         """The metadata as a list of dicts (for printing and tests)."""
@@ -152,7 +155,6 @@ class ScheduleTable:
             self.num_blocks,
             self.payload,
             self.num_blocks_t.to(device),
-            self.any_split,
             self.acc_rows.to(device),
             self.num_acc_rows,
         )
@@ -234,7 +236,6 @@ def schedule(
         num_blocks=[int(n) for n in num_blocks],
         payload=payload,
         num_blocks_t=torch.tensor([int(n) for n in num_blocks], dtype=torch.int32),
-        any_split=acc[-1] > 0,
         acc_rows=torch.tensor(acc, dtype=torch.int32),
         num_acc_rows=acc[-1],
     )

@@ -18,13 +18,11 @@ final-row formula the decode kernels share with this one is :func:`final_out_lse
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..runtime import interpreting, require_runnable
+from ..runtime import cuda_num_sms, interpreting, require_runnable
 from .launcher import launch as launch_kernel
 
 
@@ -140,11 +138,6 @@ def _combine_kernel(
             tl.store(lse_ptr + req * stride_lb + heads * stride_lh + sq * stride_ls, lse, mask=hmask)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _combine_blocks(b: int, s_q: int, h_q: int, d_v: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK_H, BLOCK_D) of the combine grid: 16 x 128 by default; when that gives fewer than two
     programs per SM (small batches, whose few requests each have many splits: b = 1 had 32
@@ -152,7 +145,7 @@ def _combine_blocks(b: int, s_q: int, h_q: int, d_v: int, device: torch.device) 
     block_h, block_d = 16, 128
     if device.type != "cuda":
         return block_h, block_d
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    target = 2 * cuda_num_sms(device)
     while b * s_q * triton.cdiv(h_q, block_h) * (d_v // block_d) < target:
         if block_d > 64:
             block_d //= 2

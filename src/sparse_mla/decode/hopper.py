@@ -505,6 +505,9 @@ def _sparse_decode_gluon_kernel(
 
 
 # --------------------------------------------------------------------------------------------- launcher
+_DEFAULT_CONFIG = HopperConfig()  # frozen: one validated instance serves every default call
+
+
 def launch(
     p: DecodeProblem,
     table: ScheduleTable,
@@ -524,7 +527,7 @@ def launch(
     Returns:
         ``out [b, s_q, h_q, 512]`` bf16, ``lse [b, h_q, s_q]`` fp32.
     """
-    config = config or HopperConfig()
+    config = config or _DEFAULT_CONFIG
     q = p.q
     b, s_q, h_q, _ = q.shape
     assert TOPK_BLOCK_SIZE == BLOCK_N and p.layout.name == "V32" and p.extra_k_cache is None

@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 import torch
+from triton import knobs
 
 from ..runtime import interpreting
 
@@ -53,8 +54,6 @@ def _spec(a: Any) -> Any:
 
 def _hooks_installed() -> bool:
     """Whether a Triton launch hook is installed (profilers): those launches go through Triton."""
-    from triton import knobs
-
     for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
         if h is not None and getattr(h, "calls", True):
             return True

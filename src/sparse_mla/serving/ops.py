@@ -34,7 +34,7 @@ import torch
 
 from ..decode.backends import resolve_backend, run_decode
 from ..plan import DecodePlan, FlashMLASchedMeta, check_sched_meta, ensure_plan
-from ..problem import DecodeProblem, empty_outputs, is_empty, validate_sparse_decode
+from ..problem import DecodeProblem, empty_outputs, into_buffers, is_empty, validate_sparse_decode
 from ..runtime import use_triton
 from ..scheduler import MAX_ACC_ROWS_PER_PART, META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
 
@@ -195,7 +195,6 @@ def _sparse_decode_op(
         num_blocks=num_blocks.tolist() if on_host else [],
         payload=0,
         num_blocks_t=nb,
-        any_split=bool(any_split),
         acc_rows=ns_t,
         num_acc_rows=int(ns_t[-1]) if on_host else (rows - 1 if any_split else 0),
     )
@@ -337,24 +336,22 @@ def decode(
     if torch.compiler.is_compiling():
         if head_dim_v != D_V or not is_fp8_kvcache or causal:
             raise ValueError("head_dim_v / is_fp8_kvcache / causal: the sparse decode needs 512 / True / False")
-        return _copied_into(out, lse, traced_sparse_decode(
+        return into_buffers(out, lse, *traced_sparse_decode(
             q, k_cache, indices, tile_scheduler_metadata, softmax_scale, topk_length, attn_sink, extra_k_cache,
             extra_indices_in_kvcache, extra_topk_length,
         ))  # fmt: skip
-    tensors = (q, k_cache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
-               extra_topk_length, out, lse)  # fmt: skip
-    scalars = (head_dim_v, softmax_scale, is_fp8_kvcache, causal, backend, through_op)
+    # the call's tensors by DecodeProblem field: what the fingerprint covers and a repeated call replaces
+    fields = dict(q=q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
+                  extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,
+                  extra_topk_length=extra_topk_length, out=out, lse=lse)  # fmt: skip
+    scalars = (head_dim_v, softmax_scale, is_fp8_kvcache, causal, backend)
+    fp = None if through_op else _fingerprint(fields.values())
     cached = tile_scheduler_metadata.call_cache
-    if cached is not None and cached[1] == scalars and not through_op:
-        fp = _fingerprint(tensors)
-        if fp is not None and fp == cached[0]:
-            # the same geometry as the last validated call of this object: only the data differ
-            p = dataclasses.replace(
-                cached[2], q=q, k_cache=k_cache, indices=indices, attn_sink=_dense(attn_sink),
-                extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache, topk_length=_dense(topk_length),
-                extra_topk_length=_dense(extra_topk_length), out=out, lse=lse,
-            )  # fmt: skip
-            return _launch_planned(p, tile_scheduler_metadata.plan)
+    if fp is not None and cached is not None and cached[0] == fp and cached[1] == scalars:
+        # the same geometry as the last validated call of this object: only the data differ
+        for name in _VECTOR_FIELDS:
+            fields[name] = _dense(fields[name])
+        return _launch_planned(dataclasses.replace(cached[2], **fields), tile_scheduler_metadata.plan)
     p = validate_sparse_decode(
         q=q, k_cache=k_cache, indices=indices, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
         is_fp8_kvcache=is_fp8_kvcache, causal=causal, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
@@ -365,10 +362,9 @@ def decode(
         return empty_outputs(p)
     plan = ensure_plan(tile_scheduler_metadata, p, backend)
     if through_op:
-        return _copied_into(out, lse, call_sparse_decode_op(p, plan))
-    fp = _fingerprint(tensors)
+        return into_buffers(out, lse, *call_sparse_decode_op(p, plan))
     # kept without the call's tensors (the object must not keep them alive)
-    stripped = dataclasses.replace(p, **{f: None for f in _TENSOR_FIELDS})
+    stripped = dataclasses.replace(p, **dict.fromkeys(fields))
     tile_scheduler_metadata.call_cache = None if fp is None else (fp, scalars, stripped)
     return _launch_planned(p, plan)
 
@@ -381,11 +377,11 @@ def _launch_planned(p: DecodeProblem, plan: DecodePlan) -> tuple[torch.Tensor, t
     return run_decode(p, plan.backend, plan.table, workspace=workspace)
 
 
-_TENSOR_FIELDS = ("q", "k_cache", "indices", "topk_length", "attn_sink", "extra_k_cache", "extra_indices",
-                  "extra_topk_length", "out", "lse")  # fmt: skip
+#: the 1-D arguments the validator returns contiguous
+_VECTOR_FIELDS = ("topk_length", "attn_sink", "extra_topk_length")
 
 
-def _fingerprint(tensors: tuple) -> tuple | None:
+def _fingerprint(tensors) -> tuple | None:
     """What validation depends on in the tensor arguments (dtype, shape, strides, offset, device,
     16-byte alignment), or None when one is neither a plain tensor nor None (no shortcut)."""
     fp = []
@@ -402,20 +398,6 @@ def _fingerprint(tensors: tuple) -> tuple | None:
 def _dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """A 1-D argument as the validator returns it (contiguous; a copy for a view, on the device)."""
     return None if t is None else t.contiguous()
-
-
-def _copied_into(
-    out: Optional[torch.Tensor], lse: Optional[torch.Tensor], result: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``result`` copied into the caller's ``out``/``lse`` where given."""
-    o, l_ = result
-    if out is not None:
-        out.copy_(o)
-        o = out
-    if lse is not None:
-        lse.copy_(l_)
-        l_ = lse
-    return o, l_
 
 
 def sparse_decode(
