@@ -177,10 +177,14 @@ def test_combine_blocks_validated():
     for bad in [(3, 64), (16, 100), (0, 64), (-16, 64), (16, 128.0), (16,), [16, 64]]:
         with pytest.raises(ValueError, match="^blocks"):
             combine_fwd(o_acc, l_acc, ns, out, lse, blocks=bad)
+    for bad in [0, 3, -2, True, 2.0]:
+        with pytest.raises(ValueError, match="^splits_per_step"):
+            combine_fwd(o_acc, l_acc, ns, out, lse, splits_per_step=bad)
 
 
-@pytest.mark.parametrize("blocks", [None, (4, 64)])  # default tile, and the small-batch tile
-def test_combine_kernel_matches_reference(blocks):
+# default tile, the small-batch tile, and the split tile (2 splits a step: several steps of its online merge)
+@pytest.mark.parametrize("blocks, steps", [(None, None), ((4, 64), None), ((4, 64), 2), (None, 4), ((4, 64), 32)])
+def test_combine_kernel_matches_reference(blocks, steps):
     from sparse_mla.decode.combine import combine_fwd
 
     g = torch.Generator().manual_seed(4)
@@ -202,7 +206,16 @@ def test_combine_kernel_matches_reference(blocks):
             combine_reference(o_acc, l_acc, num_splits, out, lse, sink)
         else:
             out, lse = out.to(dev), lse.to(dev)
-            combine_fwd(o_acc.to(dev), l_acc.to(dev), num_splits.to(dev), out, lse, sink.to(dev), blocks=blocks)
+            combine_fwd(
+                o_acc.to(dev),
+                l_acc.to(dev),
+                num_splits.to(dev),
+                out,
+                lse,
+                sink.to(dev),
+                blocks=blocks,
+                splits_per_step=steps,
+            )
         outs.append((out.cpu(), lse.cpu()))
     (ro, rl), (ko, kl) = outs
     assert (ko[0] == 7.0).all() and (kl[0] == 7.0).all()  # single-split batch untouched

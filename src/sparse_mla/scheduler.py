@@ -125,6 +125,8 @@ class ScheduleTable:
         acc_rows: ``[b + 1]`` int32 prefix sums of accumulator rows per batch (``n_i`` pieces for a
             split batch, 0 for the others).
         num_acc_rows: ``acc_rows[b]``, the accumulator rows the step needs (0 when nothing is split).
+        max_pieces: the most pieces of one batch (how many rows the combine merges at most per batch;
+            0: not known).
     """
 
     num_sm_parts: int
@@ -136,6 +138,7 @@ class ScheduleTable:
     num_blocks_t: torch.Tensor
     acc_rows: torch.Tensor
     num_acc_rows: int
+    max_pieces: int = 0
 
     @property
     def any_split(self) -> bool:
@@ -157,6 +160,7 @@ class ScheduleTable:
             self.num_blocks_t.to(device),
             self.acc_rows.to(device),
             self.num_acc_rows,
+            self.max_pieces,
         )
 
 
@@ -238,4 +242,5 @@ def schedule(
         num_blocks_t=torch.tensor([int(n) for n in num_blocks], dtype=torch.int32),
         acc_rows=torch.tensor(acc, dtype=torch.int32),
         num_acc_rows=acc[-1],
+        max_pieces=max(prefix[i + 1] - prefix[i] for i in range(b)) if b else 1,
     )

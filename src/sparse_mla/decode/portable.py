@@ -569,7 +569,7 @@ def launch(
     )
     _launch_fitting(args, consts, (table.num_sm_parts, s_q, triton.cdiv(h_q, block_h)), config, dev)
     if table.any_split:
-        combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink)
+        combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)
     return finish_outputs(p, out, lse)
 
 
