@@ -31,9 +31,9 @@ def bench_shape(s: DecodeShape, backend: str, peak_tflops: float, peak_gbs: floa
     meta, _ = flash_mla.get_mla_metadata()
 
     def call_with(i: int):
-        idx = inp.index_sets[i % n_sets]
+        kw = inp.call_kwargs(i)
         return lambda: flash_mla.flash_mla_with_kvcache(
-            inp.q, inp.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend=backend
+            inp.q, inp.k_cache, None, None, 512, meta, is_fp8_kvcache=True, backend=backend, **kw
         )
 
     state = {"i": 0}
@@ -47,7 +47,7 @@ def bench_shape(s: DecodeShape, backend: str, peak_tflops: float, peak_gbs: floa
     us_eager = harness.median_us(rotating, quick)
     us_graph = harness.graph_replay_us(call_with, n_sets, quick)
     us = min(us_eager, us_graph)
-    tflops = harness.decode_flops(s) / (us * 1e-6) / 1e12
+    tflops = harness.decode_flops(s, inp.extra_attended()) / (us * 1e-6) / 1e12
     gbs = inp.bytes_moved(s) / (us * 1e-6) / 1e9
     row = dict(
         harness.as_dict(s),
@@ -65,16 +65,23 @@ def bench_shape(s: DecodeShape, backend: str, peak_tflops: float, peak_gbs: floa
     return row
 
 
+def _extra(r: dict) -> str:
+    """``+1024/p64`` (extra top-k / its page size, ``L``: with extra_topk_length), ``-`` without."""
+    if not r.get("extra_topk"):
+        return "-"
+    return f"+{r['extra_topk']}/p{r['extra_pbs']}" + ("L" if r.get("extra_len") else "")
+
+
 def print_table(rows: list[dict]) -> None:
     print("us = min(eager call, CUDA-graph replay); eager includes Python launch overhead")
     print(
-        f"{'b':>4} {'h_q':>4} {'s_q':>3} {'topk':>6} {'d_qk':>4} {'backend':>9} {'eager us':>9} {'graph us':>9} "
+        f"{'b':>4} {'h_q':>4} {'s_q':>3} {'topk':>6} {'d_qk':>4} {'extra':>10} {'backend':>9} {'eager us':>9} {'graph us':>9} "
         f"{'us':>9} {'TFLOP/s':>8} {'GB/s':>7} {'%mma':>5} {'%hbm':>5} {'FlashMLA us':>11} {'ratio':>6}"
     )
     for r in rows:
         fm, ratio = r["flashmla_us"], r["ratio_to_flashmla"]
         print(
-            f"{r['b']:>4} {r['h_q']:>4} {r['s_q']:>3} {r['topk']:>6} {r['d_qk']:>4} {r['backend']:>9} "
+            f"{r['b']:>4} {r['h_q']:>4} {r['s_q']:>3} {r['topk']:>6} {r['d_qk']:>4} {_extra(r):>10} {r['backend']:>9} "
             f"{r['us_eager']:>9.1f} {r['us_graph']:>9.1f} {r['us']:>9.1f} {r['tflops']:>8.1f} {r['gbs']:>7.0f} "
             f"{r['pct_mma']:>5.1f} {r['pct_hbm']:>5.1f} {fm if fm else '-':>11} {f'{ratio:.2f}' if ratio else '-':>6}"
         )

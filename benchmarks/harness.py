@@ -38,6 +38,11 @@ class DecodeShape:
     topk: int
     d_qk: int
     flashmla_us: float | None = None
+    ctx: int = CTX  # tokens of context per request (main cache)
+    pbs: int = PBS  # page_block_size of the main cache
+    extra_topk: int = 0  # indices per query into an extra cache (0: none)
+    extra_pbs: int = PBS
+    extra_len: bool = False  # random extra_topk_length in [1, extra_topk]
 
     def matches(self, flt: dict) -> bool:
         return all(str(getattr(self, k)) == v for k, v in flt.items())
@@ -54,6 +59,12 @@ DECODE_SHAPES = [
     DecodeShape(128, 16, 2, 2048, 576),
     DecodeShape(64, 128, 2, 2048, 512),
     DecodeShape(64, 64, 2, 2048, 512),
+    # MODEL1 as FlashMLA's tests run it in production: 16K-token caches with 256-token pages, top-k
+    # 128 over them plus an extra cache (FlashMLA times from issue 11's table, same H200)
+    DecodeShape(128, 128, 2, 128, 512, 207.1, ctx=16384, pbs=256, extra_topk=1024, extra_pbs=64),
+    DecodeShape(128, 64, 2, 128, 512, 93.5, ctx=16384, pbs=256, extra_topk=512, extra_pbs=64),
+    DecodeShape(128, 128, 2, 128, 512, 148.9, ctx=16384, pbs=256, extra_topk=1024, extra_pbs=2, extra_len=True),
+    DecodeShape(148, 128, 2, 16384, 512, 2741.9, ctx=32768, pbs=256),
 ]
 
 
@@ -159,9 +170,11 @@ def write_results(name: str, payload: dict, path: str | None = None) -> str:
 # ---------------------------------------------------------------------------------- decode model
 
 
-def decode_flops(s: DecodeShape) -> int:
-    """``2 · b · s_q · h_q · topk · (d_qk + d_v)``."""
-    return 2 * s.b * s.s_q * s.h_q * s.topk * (s.d_qk + 512)
+def decode_flops(s: DecodeShape, extra_attended: float | None = None) -> int:
+    """``2 · b · s_q · h_q · (topk + extra) · (d_qk + d_v)``; ``extra``: mean attended extra indices
+    per query (default ``extra_topk``)."""
+    extra = s.extra_topk if extra_attended is None else extra_attended
+    return int(2 * s.b * s.s_q * s.h_q * (s.topk + extra) * (s.d_qk + 512))
 
 
 @dataclass
@@ -170,43 +183,87 @@ class DecodeInputs:
     k_cache: torch.Tensor
     index_sets: list  # several [b, s_q, topk] index tensors, rotated so the touched bytes exceed L2
     unique_tokens: float  # mean distinct cache tokens a call reads
+    extra_k_cache: torch.Tensor | None = None
+    extra_sets: list | None = None  # [b, s_q, extra_topk] per index set
+    extra_topk_length: torch.Tensor | None = None
 
     def bytes_moved(self, s: DecodeShape) -> float:
         """Cache bytes of the distinct tokens read, plus q, out (bf16) and lse (fp32)."""
         lay = get_layout(s.d_qk)
         return self.unique_tokens * lay.bytes_per_token + self.q.numel() * 2 + s.b * s.s_q * s.h_q * (512 * 2 + 4)
 
+    def extra_attended(self) -> float:
+        """Mean extra indices a query attends (``extra_topk_length`` when given)."""
+        if self.extra_sets is None:
+            return 0.0
+        if self.extra_topk_length is None:
+            return float(self.extra_sets[0].shape[2])
+        return float(self.extra_topk_length.float().mean())
 
-def decode_inputs(s: DecodeShape, seed: int = 0, device: str = "cuda") -> DecodeInputs:
-    """A paged FP8 cache of ``b`` requests with 32K-token contexts (blocks shuffled), random q and
-    several sets of random distinct top-k positions per query token, as cache indices (on
-    ``device``)."""
-    lay = get_layout(s.d_qk)
-    per_call_bytes = s.b * s.s_q * s.topk * lay.bytes_per_token
-    n_sets = max(2, min(16, int(4 * 60e6 // per_call_bytes) + 1))  # >= ~4x L2 touched in rotation
-    g = torch.Generator(device=device).manual_seed(seed)
-    nblk_per = CTX // PBS
-    total_blocks = s.b * nblk_per
-    # quantising 5M random tokens takes long: quantise a pool of distinct tokens and tile it, so
-    # every slot holds a valid record
-    pool_tokens = 65536
-    k = torch.randn(pool_tokens // PBS, PBS, 1, s.d_qk, device=device, generator=g).to(torch.bfloat16)
+    def call_kwargs(self, i: int) -> dict:
+        """The index arguments of ``flash_mla_with_kvcache`` for index set ``i`` (rotating)."""
+        kw = dict(indices=self.index_sets[i % len(self.index_sets)])
+        if self.extra_sets is not None:
+            kw.update(
+                extra_k_cache=self.extra_k_cache,
+                extra_indices_in_kvcache=self.extra_sets[i % len(self.extra_sets)],
+                extra_topk_length=self.extra_topk_length,
+            )
+        return kw
+
+
+def _paged_cache(b: int, ctx: int, pbs: int, lay, g: torch.Generator, device: str):
+    """A paged FP8 cache of ``b`` requests of ``ctx`` tokens (blocks shuffled): (cache, block_table)."""
+    nblk_per = -(-ctx // pbs)
+    total_blocks = b * nblk_per
+    # quantising millions of random tokens takes long: quantise a pool of distinct tokens and tile
+    # it, so every slot holds a valid record
+    pool_blocks = max(1, 65536 // pbs)
+    k = torch.randn(pool_blocks, pbs, 1, lay.d_qk, device=device, generator=g).to(torch.bfloat16)
     pool = flash_mla.quantize_k_cache(k, lay).view(torch.uint8)
-    bb = lay.block_bytes(PBS)
+    bb = lay.block_bytes(pbs)
     flat = torch.empty(total_blocks, bb, dtype=torch.uint8, device=device)
     src = pool.as_strided((pool.shape[0], bb), (pool.stride(0), 1))
     for start in range(0, total_blocks, src.shape[0]):
         n = min(src.shape[0], total_blocks - start)
         flat[start : start + n] = src[:n]
-    kc = flat.as_strided((total_blocks, PBS, 1, lay.bytes_per_token), (bb, lay.bytes_per_token, lay.bytes_per_token, 1))
-    block_table = torch.randperm(total_blocks, device=device, generator=g).view(s.b, nblk_per).int()
-    q = torch.randn(s.b, s.s_q, s.h_q, s.d_qk, device=device, generator=g).to(torch.bfloat16)
+    kc = flat.as_strided((total_blocks, pbs, 1, lay.bytes_per_token), (bb, lay.bytes_per_token, lay.bytes_per_token, 1))
+    block_table = torch.randperm(total_blocks, device=device, generator=g).view(b, nblk_per).int()
+    return kc, block_table
+
+
+def _index_sets(b: int, s_q: int, ctx: int, topk: int, pbs: int, table, n_sets: int, g, device: str) -> list:
     sets = []
     for _ in range(n_sets):
-        pos = torch.rand(s.b * s.s_q, CTX, device=device, generator=g).argsort(dim=1)[:, : s.topk]
-        sets.append(flash_mla.abs_indices_to_kvcache_indices(pos.view(s.b, s.s_q, s.topk).int(), block_table, PBS))
+        pos = torch.rand(b * s_q, ctx, device=device, generator=g).argsort(dim=1)[:, :topk]
+        sets.append(flash_mla.abs_indices_to_kvcache_indices(pos.view(b, s_q, topk).int(), table, pbs))
+    return sets
+
+
+def decode_inputs(s: DecodeShape, seed: int = 0, device: str = "cuda") -> DecodeInputs:
+    """A paged FP8 cache of ``b`` requests with ``s.ctx``-token contexts (blocks shuffled), random q
+    and several sets of random distinct top-k positions per query token, as cache indices (on
+    ``device``); with ``s.extra_topk``, an extra cache of the same shape (its own page size) and
+    index sets into it."""
+    lay = get_layout(s.d_qk)
+    per_call_bytes = s.b * s.s_q * (s.topk + s.extra_topk) * lay.bytes_per_token
+    n_sets = max(2, min(16, int(4 * 60e6 // per_call_bytes) + 1))  # >= ~4x L2 touched in rotation
+    g = torch.Generator(device=device).manual_seed(seed)
+    kc, table = _paged_cache(s.b, s.ctx, s.pbs, lay, g, device)
+    q = torch.randn(s.b, s.s_q, s.h_q, s.d_qk, device=device, generator=g).to(torch.bfloat16)
+    sets = _index_sets(s.b, s.s_q, s.ctx, s.topk, s.pbs, table, n_sets, g, device)
     uniq = sum(int(torch.unique(ix[ix >= 0]).numel()) for ix in sets) / n_sets
-    return DecodeInputs(q, kc, sets, uniq)
+    inp = DecodeInputs(q, kc, sets, uniq)
+    if s.extra_topk:
+        ekc, etable = _paged_cache(s.b, s.ctx, s.extra_pbs, lay, g, device)
+        inp.extra_k_cache = ekc
+        inp.extra_sets = _index_sets(s.b, s.s_q, s.ctx, s.extra_topk, s.extra_pbs, etable, n_sets, g, device)
+        if s.extra_len:
+            inp.extra_topk_length = torch.randint(
+                1, s.extra_topk + 1, (s.b,), device=device, generator=g, dtype=torch.int64
+            ).int()
+        inp.unique_tokens += sum(int(torch.unique(ix[ix >= 0]).numel()) for ix in inp.extra_sets) / n_sets
+    return inp
 
 
 def as_dict(obj) -> dict:

@@ -34,6 +34,9 @@ PTRS = {
     "kv_ptr": "*u8",
     "idx_ptr": "*i32",
     "topk_len_ptr": "*i32",
+    "xkv_ptr": "*u8",
+    "xidx_ptr": "*i32",
+    "x_len_ptr": "*i32",
     "sink_ptr": "*fp32",
     "meta_ptr": "*i32",
     "nsplit_ptr": "*i32",
@@ -45,7 +48,7 @@ PTRS = {
     "lacc_ptr": "*fp32",
 }
 # strides that are 1 at run time (Triton specialises them as constants; keep them plain i32 here)
-UNIT = {"stride_it", "stride_ls", "stride_lsq"}
+UNIT = {"stride_it", "x_stride_it", "stride_ls", "stride_lsq"}
 SMEM_LIMIT = 232448  # 227 KiB opt-in on H100/H200
 
 
@@ -57,11 +60,16 @@ def compile_kernel(
     producer_regs: int,
     maxnreg: int,
     num_warps: int = 8,
+    model1: bool = False,
+    extra: bool = False,
 ):
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
     consts = dict(
+        IS_V32=not model1,
         HAS_TOPK_LEN=has_topk_len,
+        HAS_EXTRA=extra,
+        HAS_EXTRA_LEN=extra and has_topk_len,
         HAS_SINK=has_sink,
         PBS_POW2=pbs_pow2,
         PBS_LOG2=pbs_log2,
@@ -124,6 +132,8 @@ def main() -> int:
     ap.add_argument("--sink", action="store_true")
     ap.add_argument("--topk-len", action="store_true")
     ap.add_argument("--pbs", type=int, default=64)
+    ap.add_argument("--model1", action="store_true", help="the MODEL1 cache (d_qk 512)")
+    ap.add_argument("--extra", action="store_true", help="with an extra cache")
     ap.add_argument("--producer-regs", type=int, default=sdg.HopperConfig().producer_regs)
     ap.add_argument("--maxnreg", type=int, default=sdg.HopperConfig().maxnreg)
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass")
@@ -135,7 +145,16 @@ def main() -> int:
     )
     a = ap.parse_args()
     pow2 = a.pbs & (a.pbs - 1) == 0
-    k = compile_kernel(a.sink, a.topk_len, pow2, a.pbs.bit_length() - 1 if pow2 else 0, a.producer_regs, a.maxnreg)
+    k = compile_kernel(
+        a.sink,
+        a.topk_len,
+        pow2,
+        a.pbs.bit_length() - 1 if pow2 else 0,
+        a.producer_regs,
+        a.maxnreg,
+        model1=a.model1,
+        extra=a.extra,
+    )
     md = k.metadata
     print(
         f"triton: n_regs={k.n_regs if hasattr(k, 'n_regs') else None} shared={md.shared} B "

@@ -35,22 +35,14 @@ def make_case(
     nan_unused=False,
     topk_length=None,
     sink=False,
+    layout="V32",
 ):
-    """Random V32 problem on the GPU: (q, k_cache, indices, kwargs for the API/reference)."""
+    """Random problem on the GPU: (q, k_cache, indices, kwargs for the API/reference)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    num_blocks = num_blocks or max(2 * topk // pbs, 8)
-    n_tok = num_blocks * pbs
-    k = torch.randn(num_blocks, pbs, 1, 576, device=DEV, generator=g)
-    mag = 10.0 ** (torch.rand(num_blocks, pbs, 1, 9, device=DEV, generator=g) * 2 - 2)
-    k = (k * mag.repeat_interleave(64, dim=-1)).to(torch.bfloat16)
-    kc = quantize_k_cache(k, "V32")
-    q = torch.randn(b, s_q, h_q, 576, device=DEV, generator=g).to(torch.bfloat16)
-    # distinct random tokens per (batch, query), then some invalid ones (-1 and out of range)
-    idx = torch.stack([torch.randperm(n_tok, device=DEV, generator=g)[:topk] for _ in range(b * s_q)])
-    idx = idx.view(b, s_q, topk).int()
-    bad = torch.rand(b, s_q, topk, device=DEV, generator=g) < invalid_frac
-    oob = torch.rand(b, s_q, topk, device=DEV, generator=g) < 0.5
-    idx = torch.where(bad & oob, torch.full_like(idx, n_tok + 5), torch.where(bad, torch.full_like(idx, -1), idx))
+    d_qk = 576 if layout == "V32" else 512
+    kc, n_tok = _random_cache(num_blocks or max(2 * topk // pbs, 8), pbs, layout, g)
+    q = torch.randn(b, s_q, h_q, d_qk, device=DEV, generator=g).to(torch.bfloat16)
+    idx = _random_indices(b, s_q, topk, n_tok, invalid_frac, g)
     kw = {}
     if topk_length is not None:
         kw["topk_length"] = torch.tensor(topk_length, dtype=torch.int32, device=DEV)
@@ -72,6 +64,35 @@ def make_case(
     return q, kc, idx, kw
 
 
+def _random_cache(num_blocks, pbs, layout, g):
+    """A quantised cache of random latent keys whose 64-value groups span two decades: (cache, slots)."""
+    d_qk = 576 if layout == "V32" else 512
+    k = torch.randn(num_blocks, pbs, 1, d_qk, device=DEV, generator=g)
+    mag = 10.0 ** (torch.rand(num_blocks, pbs, 1, d_qk // 64, device=DEV, generator=g) * 2 - 2)
+    k = (k * mag.repeat_interleave(64, dim=-1)).to(torch.bfloat16)
+    return quantize_k_cache(k, layout), num_blocks * pbs
+
+
+def _random_indices(b, s_q, topk, n_tok, invalid_frac, g):
+    """Distinct random slots per (batch, query), then some invalid ones (-1 and out of range)."""
+    idx = torch.stack([torch.randperm(n_tok, device=DEV, generator=g)[:topk] for _ in range(b * s_q)])
+    idx = idx.view(b, s_q, topk).int()
+    bad = torch.rand(b, s_q, topk, device=DEV, generator=g) < invalid_frac
+    oob = torch.rand(b, s_q, topk, device=DEV, generator=g) < 0.5
+    return torch.where(bad & oob, torch.full_like(idx, n_tok + 5), torch.where(bad, torch.full_like(idx, -1), idx))
+
+
+def add_extra_cache(kw, b, s_q, extra_topk, pbs, layout, seed, lengths=None, num_blocks=None):
+    """Add an extra cache (its own page size), its indices and optionally ``extra_topk_length`` to ``kw``."""
+    g = torch.Generator(device=DEV).manual_seed(seed + 1000)
+    ekc, n_tok = _random_cache(num_blocks or max(2 * extra_topk // pbs, 8), pbs, layout, g)
+    kw["extra_k_cache"] = ekc
+    kw["extra_indices_in_kvcache"] = _random_indices(b, s_q, extra_topk, n_tok, 0.05, g)
+    if lengths is not None:
+        kw["extra_topk_length"] = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    return kw
+
+
 def run_gluon(q, kc, idx, num_sms=None, **kw):
     meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
     out, lse = flash_mla.flash_mla_with_kvcache(
@@ -86,7 +107,8 @@ def check(q, kc, idx, num_sms=None, expect_split=None, **kw):
     out, lse, table = run_gluon(q, kc, idx, num_sms, **kw)
     if expect_split is not None:
         assert table.any_split == expect_split
-    ro, rl = sparse_decode_reference(q, kc, idx, None, 512, **kw)
+    ref_kw = {("extra_indices" if k == "extra_indices_in_kvcache" else k): v for k, v in kw.items()}
+    ro, rl = sparse_decode_reference(q, kc, idx, None, 512, **ref_kw)
     check_decode_close(out, lse, ro, rl)
     return out, lse
 
@@ -145,17 +167,42 @@ def test_odd_page_block_size():
         check(q, kc, idx, num_sms, **kw)
 
 
-def test_unsupported_raises():
-    k = torch.randn(8, 64, 1, 512, device=DEV).to(torch.bfloat16)
-    kc = quantize_k_cache(k, "MODEL1")
-    q = torch.randn(1, 1, 64, 512, device=DEV).to(torch.bfloat16)
-    idx = torch.randint(0, 8 * 64, (1, 1, 64), device=DEV, dtype=torch.int32)
-    meta, _ = flash_mla.get_mla_metadata()
-    with pytest.raises(
-        ValueError, match="^backend: the 'hopper' backend cannot serve this call: it serves the V32 cache"
-    ):
-        flash_mla.flash_mla_with_kvcache(
-            q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend="hopper"
-        )
-    out, _ = flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
-    assert meta.backend == "portable" and out.shape == (1, 1, 64, 512)
+@pytest.mark.parametrize("b, s_q, h_q", [(1, 1, 64), (4, 2, 128), (64, 2, 64)])
+@pytest.mark.parametrize("sched", ["device", "unsplit"])
+def test_model1_matches_reference(b, s_q, h_q, sched):
+    # MODEL1: [448 e4m3 NoPE | 64 bf16 RoPE] rows with e8m0 scales after the block's token rows;
+    # K = V is the whole 512-value row
+    q, kc, idx, kw = make_case(b, s_q, h_q, topk=512, pbs=256, seed=b + s_q + h_q, layout="MODEL1")
+    num_sms = s_q * (h_q // 64) if sched == "unsplit" else None
+    check(q, kc, idx, num_sms, expect_split=False if sched == "unsplit" else None, **kw)
+
+
+@pytest.mark.parametrize("layout", ["V32", "MODEL1"])
+@pytest.mark.parametrize("extra_pbs, lengths", [(64, None), (2, [0, 700, 1024, 5]), (61, [1024, 1, 300, 0])])
+@pytest.mark.parametrize("num_sms", [None, 4])
+def test_extra_cache(layout, extra_pbs, lengths, num_sms):
+    # the extra cache's blocks follow the main ones in each request's walk, with their own indices,
+    # page size and lengths; topk_length and attn_sink at the same time
+    b, s_q, h_q = 4, 2, 128
+    q, kc, idx, kw = make_case(
+        b,
+        s_q,
+        h_q,
+        topk=128,
+        pbs=256 if layout == "MODEL1" else 64,
+        seed=extra_pbs,
+        topk_length=[128, 0, 5, 64],
+        sink=True,
+        layout=layout,
+    )
+    add_extra_cache(kw, b, s_q, 1024, extra_pbs, layout, seed=extra_pbs, lengths=lengths)
+    out, lse = check(q, kc, idx, num_sms, **kw)
+    if lengths is not None:  # request 1: no main index (topk_length 0) and extra_topk_length 700
+        assert torch.isfinite(lse[1]).all()
+
+
+def test_model1_partial_head_tile_and_odd_pages():
+    q, kc, idx, kw = make_case(3, 2, 16, topk=256, pbs=61, num_blocks=40, seed=11, layout="MODEL1", sink=True)
+    for num_sms in (2, 132):
+        out, lse = check(q, kc, idx, num_sms, **kw)
+        assert out.shape == (3, 2, 16, 512)

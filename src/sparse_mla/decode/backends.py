@@ -5,8 +5,8 @@ how many query heads one of its programs serves (the scheduler sizes the partiti
 :meth:`Backend.heads_per_cta`), and launches its kernels (:meth:`Backend.launch`):
 
 =============  ==========================================================================
-``hopper``     warp-specialised Gluon kernel (:mod:`.hopper`): sm_90 GPUs, V32 cache,
-               no extra cache, compiled (not interpreted)
+``hopper``     warp-specialised Gluon kernel (:mod:`.hopper`): sm_90 GPUs, both caches
+               (V32, MODEL1) and every feature, compiled (not interpreted)
 ``portable``   Triton ``tl`` kernel (:mod:`.portable`): any GPU Triton supports, and the CPU
                under Triton's interpreter (``TRITON_INTERPRET=1``); every feature
 ``reference``  fp32 PyTorch twin replaying the schedule (:mod:`.reference`): anywhere
@@ -140,10 +140,6 @@ class HopperBackend(Backend):
         major, minor = torch.cuda.get_device_capability(dev)
         if major != 9:
             return f"needs an sm_90 (Hopper) GPU, this one is sm_{major}{minor}"
-        if p.layout.name != "V32":
-            return f"serves the V32 cache (d_qk 576), not {p.layout.name}"
-        if p.extra_k_cache is not None:
-            return "does not serve an extra cache (extra_k_cache)"
         return None
 
     def heads_per_cta(self, h_q: int) -> int:

@@ -131,38 +131,61 @@ def _partition_row(meta_ptr):
 
 
 @gluon.jit
-def _request_blocks(sched, prow, req):
-    """The main-cache blocks [blk0, blk1) of request ``req`` inside this partition (row ``prow``)."""
+def _request_blocks(sched, prow, req, HAS_EXTRA: gl.constexpr):
+    """The blocks [blk0, blk1) of request ``req`` inside this partition (row ``prow``): over the main
+    cache only, or over the main and then the extra cache (``HAS_EXTRA``)."""
     _meta_ptr, _nsplit_ptr, mainblk_ptr, nblk_ptr = sched
     begin_req, end_req, begin_block, end_block, _begin_split = prow
     blk0 = gl.where(req == begin_req, begin_block, 0)
     blk1 = gl.where(req == end_req, end_block, gl.load(nblk_ptr + req))
-    return blk0, gl.minimum(blk1, gl.load(mainblk_ptr + req))
+    if not HAS_EXTRA:
+        blk1 = gl.minimum(blk1, gl.load(mainblk_ptr + req))
+    return blk0, blk1
 
 
 # --------------------------------------------------------------------------------------------- producer
 @gluon.jit
-def _load_block_indices(ibase, stride_it, pos0, n_valid, ROW8: gl.constexpr):
-    offs8 = pos0 + gl.arange(0, 64, layout=ROW8)
-    in8 = offs8 < n_valid
-    return gl.load(ibase + offs8 * stride_it, mask=in8, other=-1)
+def _block_indices(
+    blk, blk1, mb, ibase, stride_it, n_main, xibase, x_stride_it, n_extra, HAS_EXTRA: gl.constexpr, ROW8: gl.constexpr
+):
+    """The 64 indices of block ``blk`` of a request (main-cache blocks first, then the extra
+    cache's from block ``mb`` on); -1 past the list's length, and for ``blk >= blk1`` (none)."""
+    offs = gl.arange(0, 64, layout=ROW8)
+    if HAS_EXTRA:
+        is_x = blk >= mb
+        pos = gl.where(is_x, blk - mb, blk) * 64 + offs
+        ptrs = gl.where(is_x, xibase + pos * x_stride_it, ibase + pos * stride_it)
+        n_valid = gl.where(is_x, n_extra, n_main)
+    else:
+        pos = blk * 64 + offs
+        ptrs = ibase + pos * stride_it
+        n_valid = n_main
+    return gl.load(ptrs, mask=(pos < n_valid) & (blk < blk1), other=-1)
 
 
 @gluon.jit
 def _producer(
     cache,
+    xcache,
     sel,
+    xsel,
     sched,
     ring,
+    IS_V32: gl.constexpr,
     HAS_TOPK_LEN: gl.constexpr,
+    HAS_EXTRA: gl.constexpr,
+    HAS_EXTRA_LEN: gl.constexpr,
     PBS_POW2: gl.constexpr,
     PBS_LOG2: gl.constexpr,
     PROFILE: gl.constexpr,
 ):
     """Gather, dequantise and stage the K tiles of this partition's blocks (see the module doc)."""
     kv_ptr, stride_blk, stride_tok, num_tokens, pbs = cache
+    xkv_ptr, x_stride_blk, x_num_tokens, x_pbs = xcache
     idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr = sel
+    xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr = xsel
     k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
+    _meta_ptr, _nsplit_ptr, mainblk_ptr, _nblk_ptr = sched
     P_WARPS: gl.constexpr = gl.num_warps()
     # rows (tokens) of a [64, 128]-byte tile: the layout the 64 indices are loaded and decoded in
     LD8: gl.constexpr = gl.BlockedLayout([1, 16], [TPW_ROWS, 32 // TPW_ROWS], [P_WARPS, 1], [1, 0])
@@ -171,80 +194,127 @@ def _producer(
     ROW8: gl.constexpr = gl.SliceLayout(1, LD8)
     ROWR: gl.constexpr = gl.SliceLayout(1, LDR)
     COLR: gl.constexpr = gl.SliceLayout(0, LDR)
+    # NoPE bytes as [64 tokens, NT scale tiles, TW bytes]: 16 contiguous bytes per thread. V32: 4 tiles
+    # of 128 (one fp32 scale each); MODEL1: 7 tiles of 64 (one e8m0 scale each) and an 8th slot
+    # that the RoPE values fill (MODEL1's K row is [448 NoPE | 64 RoPE] = 512 = d_v)
+    NT: gl.constexpr = 4 if IS_V32 else 8
+    TW: gl.constexpr = 128 if IS_V32 else 64
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [TPW_ROWS, 1, 32 // TPW_ROWS], [P_WARPS, 1, 1], [2, 1, 0])
+    L3S: gl.constexpr = gl.SliceLayout(2, L3)
+    ROW3: gl.constexpr = gl.SliceLayout(1, L3S)
+    # MODEL1's RoPE as the [64, 64] slice of the 3-D tile it fills (same registers as a tile slot)
+    L3R: gl.constexpr = gl.SliceLayout(1, L3)
+    ROW3R: gl.constexpr = gl.SliceLayout(1, L3R)
 
     sq = gl.program_id(1)
     prow = _partition_row(sched[0])
     begin_req, end_req = prow[0], prow[1]
 
     colsr = gl.arange(0, D_ROPE, layout=COLR)
-    # NoPE bytes as [64 tokens, 4 column tiles, 128 bytes]: 16 contiguous bytes per thread
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [TPW_ROWS, 1, 32 // TPW_ROWS], [P_WARPS, 1, 1], [2, 1, 0])
-    L3S: gl.constexpr = gl.SliceLayout(2, L3)
-    ROW3: gl.constexpr = gl.SliceLayout(1, L3S)
-    t3 = gl.arange(0, 4, layout=gl.SliceLayout(0, L3S))
-    c3 = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    t3 = gl.arange(0, NT, layout=gl.SliceLayout(0, L3S))
+    c3 = gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    cr3 = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, L3R))
+    t3e = gl.expand_dims(gl.expand_dims(t3, 0), 2)
     it = 0
     req = begin_req
     while req <= end_req:
-        blk0, blk1 = _request_blocks(sched, prow, req)
-        n_valid = topk
+        blk0, blk1 = _request_blocks(sched, prow, req, HAS_EXTRA)
+        mb = gl.load(mainblk_ptr + req)
+        n_main = topk
         if HAS_TOPK_LEN:
-            n_valid = gl.minimum(gl.load(topk_len_ptr + req), topk)
+            n_main = gl.minimum(gl.load(topk_len_ptr + req), topk)
+        n_extra = x_topk
+        if HAS_EXTRA_LEN:
+            n_extra = gl.minimum(gl.load(x_len_ptr + req), x_topk)
         ibase = idx_ptr + req.to(gl.int64) * stride_ib + sq * stride_is
+        xibase = xidx_ptr + req.to(gl.int64) * x_stride_ib + sq * x_stride_is
         # the first block's indices; every iteration then loads the next block's (prefetch)
-        idx_next = _load_block_indices(ibase, stride_it, blk0 * 64, n_valid, ROW8)
+        idx_next = _block_indices(
+            blk0, blk1, mb, ibase, stride_it, n_main, xibase, x_stride_it, n_extra, HAS_EXTRA, ROW8
+        )
         for blk in range(blk0, blk1):
             stage = it % 2
             phase = (it // 2) & 1
-            pos0 = blk * 64
             if PROFILE == 2:
                 mbarrier.wait(empty_bars.index(stage), phase ^ 1)
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(ready_bars.index(stage), count=1)
             else:
-                offs8 = pos0 + gl.arange(0, 64, layout=ROW8)
-                in8 = offs8 < n_valid
                 idx8 = idx_next
-                idx_next = _load_block_indices(ibase, stride_it, pos0 + 64, gl.minimum(n_valid, blk1 * 64), ROW8)
-                v8 = in8 & (idx8 >= 0) & (idx8 < num_tokens)
+                idx_next = _block_indices(
+                    blk + 1, blk1, mb, ibase, stride_it, n_main, xibase, x_stride_it, n_extra, HAS_EXTRA, ROW8
+                )
+                # this block's cache: the main one, or the extra one past the main blocks
+                c_ptr = kv_ptr
+                c_sblk = stride_blk
+                c_ntok = num_tokens
+                c_pbs = pbs
+                if HAS_EXTRA:
+                    if blk >= mb:
+                        c_ptr = xkv_ptr
+                        c_sblk = x_stride_blk
+                        c_ntok = x_num_tokens
+                        c_pbs = x_pbs
+                v8 = (idx8 >= 0) & (idx8 < c_ntok)
                 s8 = gl.where(v8, idx8, 0)
                 if PROFILE == 3:
                     s8 = s8 * 0
-                if PBS_POW2:
+                if PBS_POW2 and not HAS_EXTRA:
                     b8 = s8 >> PBS_LOG2
-                    o8 = s8 & (pbs - 1)
+                    o8 = s8 & (c_pbs - 1)
                 else:
-                    b8 = s8 // pbs
-                    o8 = s8 - b8 * pbs
-                tok8 = b8.to(gl.int64) * stride_blk + o8.to(gl.int64) * stride_tok
+                    b8 = s8 // c_pbs
+                    o8 = s8 - b8 * c_pbs
+                blk8 = b8.to(gl.int64) * c_sblk
+                if IS_V32:
+                    tok8 = blk8 + o8.to(gl.int64) * stride_tok
+                else:  # MODEL1: packed [nope | rope] records of 576 B, then the blocks' 8-byte scale records
+                    tok8 = blk8 + o8.to(gl.int64) * 576
+                    scl8 = blk8 + c_pbs.to(gl.int64) * 576 + o8.to(gl.int64) * 8
                 tok8 = gl.multiple_of(tok8, 16)
-                tokr = gl.convert_layout(tok8, ROWR)
-                vr = gl.convert_layout(v8, ROWR)
-                rptr = (kv_ptr + gl.expand_dims(tokr, 1) + D_NOPE + 16).to(gl.pointer_type(gl.bfloat16))
                 vmask = gl.where(v8, 0.0, float("-inf"))
                 tok3 = gl.convert_layout(tok8, ROW3)
                 v3 = gl.convert_layout(v8, ROW3)
-                # every gather of the block is in flight before the wait for a free stage: the 512
-                # NoPE bytes as one [64, 4, 128] tile (16-byte loads), the 4 scales as one 16-byte
-                # load per token, the 64 bf16 RoPE values (producer_regs = 128 holds them)
-                p3 = (
-                    kv_ptr
-                    + gl.expand_dims(gl.expand_dims(tok3, 1), 2)
-                    + gl.expand_dims(gl.expand_dims(t3, 0), 2) * 128
-                    + gl.expand_dims(gl.expand_dims(c3, 0), 1)
-                )
-                raw = gl.load(p3, mask=gl.expand_dims(gl.expand_dims(v3, 1), 2), other=0)
-                sp = (kv_ptr + gl.expand_dims(tok3, 1) + D_NOPE).to(gl.pointer_type(gl.float32))
-                sc = gl.load(sp + gl.expand_dims(t3, 0), mask=gl.expand_dims(v3, 1), other=0.0)
-                rope = gl.load(rptr + gl.expand_dims(colsr, 0), mask=gl.expand_dims(vr, 1), other=0.0)
+                tok3e = gl.expand_dims(gl.expand_dims(tok3, 1), 2)
+                v3e = gl.expand_dims(gl.expand_dims(v3, 1), 2)
+                # every gather of the block is in flight before the wait for a free stage: the NoPE
+                # bytes as one [64, NT, TW] tile (16-byte loads), the scales as one load per token,
+                # the 64 bf16 RoPE values (producer_regs = 128 holds them)
+                p3 = c_ptr + tok3e + t3e * TW + gl.expand_dims(gl.expand_dims(c3, 0), 1)
+                if IS_V32:
+                    raw = gl.load(p3, mask=v3e, other=0)
+                    sp = (c_ptr + gl.expand_dims(tok3, 1) + D_NOPE).to(gl.pointer_type(gl.float32))
+                    sc = gl.load(sp + gl.expand_dims(t3, 0), mask=gl.expand_dims(v3, 1), other=0.0)
+                    tokr = gl.convert_layout(tok8, ROWR)
+                    vr = gl.convert_layout(v8, ROWR)
+                    rptr = (c_ptr + gl.expand_dims(tokr, 1) + D_NOPE + 16).to(gl.pointer_type(gl.bfloat16))
+                    rope = gl.load(rptr + gl.expand_dims(colsr, 0), mask=gl.expand_dims(vr, 1), other=0.0)
+                else:
+                    raw = gl.load(p3, mask=v3e & (t3e < 7), other=0)
+                    scl3 = gl.convert_layout(scl8, ROW3)
+                    eb = gl.load(
+                        c_ptr + gl.expand_dims(scl3, 1) + gl.expand_dims(t3, 0),
+                        mask=gl.expand_dims(v3, 1) & gl.expand_dims(t3 < 7, 0),
+                        other=127,
+                    )
+                    # e8m0: 2^(e - 127), exact
+                    sc = gl.exp2(eb.to(gl.float32) - 127.0)
+                    tokq = gl.convert_layout(tok8, ROW3R)
+                    vq = gl.convert_layout(v8, ROW3R)
+                    rptr = (c_ptr + gl.expand_dims(tokq, 1) + 448).to(gl.pointer_type(gl.bfloat16))
+                    rope = gl.load(rptr + gl.expand_dims(cr3, 0), mask=gl.expand_dims(vq, 1), other=0.0)
                 # wait for the consumer to free this stage (first lap passes: phase starts at 1)
                 mbarrier.wait(empty_bars.index(stage), phase ^ 1)
                 # fp8 -> bf16 is exact, and so is the product with a power-of-two scale; one smem
-                # store for the whole NoPE tile (separate column-slice stores each cost a barrier)
+                # store for the whole tile (separate column-slice stores each cost a barrier)
                 kv = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
-                k_smem.index(stage).store(gl.reshape(kv, [64, D_NOPE]))
-                kr_smem.index(stage).store(rope)
+                if IS_V32:
+                    k_smem.index(stage).store(gl.reshape(kv, [64, D_NOPE]))
+                    kr_smem.index(stage).store(rope)
+                else:
+                    kv = gl.where(t3e == 7, gl.expand_dims(rope, 1), kv)
+                    k_smem.index(stage).store(gl.reshape(kv, [64, D_NOPE]))
                 mask_smem.index(stage).store(vmask)
                 # make the generic-proxy stores visible to wgmma (async proxy), then signal
                 fence_async_shared()
@@ -270,6 +340,8 @@ def _consumer(
     qr_smem,
     p_smem,
     ring,
+    IS_V32: gl.constexpr,
+    HAS_EXTRA: gl.constexpr,
     HAS_SINK: gl.constexpr,
     PROFILE: gl.constexpr,
 ):
@@ -310,17 +382,19 @@ def _consumer(
     it = 0
     req = begin_req
     while req <= end_req:
-        blk0, blk1 = _request_blocks(sched, prow, req)
+        blk0, blk1 = _request_blocks(sched, prow, req, HAS_EXTRA)
         split = gl.where(req == begin_req, begin_split, 0)
         split_base = gl.load(nsplit_ptr + req)
         n_splits = gl.load(nsplit_ptr + req + 1) - split_base
 
-        # stage Q [64, 576] once for this request piece (9 column chunks of 64)
+        # stage Q once for this request piece, in column chunks of 64: V32 [64, 576] (NoPE + RoPE
+        # tiles), MODEL1 [64, 512] (one tile, like its K rows)
         qbase = q_ptr + req.to(gl.int64) * stride_qb + sq * stride_qs
         qrow = qbase + gl.expand_dims(qr.to(gl.int64) * stride_qh, 1) + gl.expand_dims(qc, 0)
         for c in gl.static_range(D_NOPE // 64):
             q_smem.slice(c * 64, 64, dim=1).store(gl.load(qrow + c * 64, mask=qmask, other=0.0))
-        qr_smem.store(gl.load(qrow + D_NOPE, mask=qmask, other=0.0))
+        if IS_V32:
+            qr_smem.store(gl.load(qrow + D_NOPE, mask=qmask, other=0.0))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -337,7 +411,8 @@ def _consumer(
             else:
                 kbuf = k_smem.index(stage)
                 s = warpgroup_mma(q_smem, kbuf.permute([1, 0]), gl.zeros([64, 64], gl.float32, S_L), use_acc=False)
-                s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute([1, 0]), s)
+                if IS_V32:
+                    s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute([1, 0]), s)
                 bias = mask_smem.index(stage).load(SCOL)
                 # a select, not an add: an invalid token's score is q·0, NaN when q holds an inf
                 s = gl.where(gl.expand_dims(bias, 0) == 0.0, s * scale_log2, float("-inf"))
@@ -413,6 +488,16 @@ def _sparse_decode_gluon_kernel(
     stride_it,
     topk,
     topk_len_ptr,
+    xkv_ptr,
+    x_stride_blk,
+    x_num_tokens,
+    x_pbs,
+    xidx_ptr,
+    x_stride_ib,
+    x_stride_is,
+    x_stride_it,
+    x_topk,
+    x_len_ptr,
     sink_ptr,
     meta_ptr,
     nsplit_ptr,
@@ -435,7 +520,10 @@ def _sparse_decode_gluon_kernel(
     stride_lsq,
     scale_log2,
     h_q,
+    IS_V32: gl.constexpr,
     HAS_TOPK_LEN: gl.constexpr,
+    HAS_EXTRA: gl.constexpr,
+    HAS_EXTRA_LEN: gl.constexpr,
     HAS_SINK: gl.constexpr,
     PBS_POW2: gl.constexpr,
     PBS_LOG2: gl.constexpr,
@@ -481,6 +569,8 @@ def _sparse_decode_gluon_kernel(
                     qr_smem,
                     p_smem,
                     ring,
+                    IS_V32,
+                    HAS_EXTRA,
                     HAS_SINK,
                     PROFILE,
                 ),
@@ -489,10 +579,15 @@ def _sparse_decode_gluon_kernel(
                 _producer,
                 (
                     (kv_ptr, stride_blk, stride_tok, num_tokens, pbs),
+                    (xkv_ptr, x_stride_blk, x_num_tokens, x_pbs),
                     (idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr),
+                    (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
                     sched,
                     ring,
+                    IS_V32,
                     HAS_TOPK_LEN,
+                    HAS_EXTRA,
+                    HAS_EXTRA_LEN,
                     PBS_POW2,
                     PBS_LOG2,
                     PROFILE,
@@ -530,7 +625,8 @@ def launch(
     config = config or _DEFAULT_CONFIG
     q = p.q
     b, s_q, h_q, _ = q.shape
-    assert TOPK_BLOCK_SIZE == BLOCK_N and p.layout.name == "V32" and p.extra_k_cache is None
+    assert TOPK_BLOCK_SIZE == BLOCK_N and p.layout.name in ("V32", "MODEL1")
+    is_v32 = p.layout.name == "V32"
     dev = q.device
     out, lse = output_tensors(p)
     o_acc, l_acc = workspace or split_accumulators(table.num_acc_rows, s_q, h_q, p.d_v, dev)
@@ -538,6 +634,13 @@ def launch(
     pbs = raw.shape[1]
     pow2 = pbs & (pbs - 1) == 0
     dummy_i32 = table.acc_rows
+    if p.extra_k_cache is not None:
+        xraw = cache_bytes(p.extra_k_cache)
+        xi = p.extra_indices
+        xargs = (xraw, xraw.stride(0), xraw.shape[0] * xraw.shape[1], xraw.shape[1], xi, *xi.stride(), xi.shape[2])
+        xargs += (p.extra_topk_length if p.extra_topk_length is not None else dummy_i32,)
+    else:  # placeholders (never read)
+        xargs = (raw, 0, 0, 1, dummy_i32, 0, 0, 0, 0, dummy_i32)
     grid = (table.num_sm_parts, s_q, -(-h_q // BLOCK_H))
     args = (
         q,
@@ -546,13 +649,14 @@ def launch(
         q.stride(2),
         raw,
         raw.stride(0),
-        raw.stride(1),
+        raw.stride(1) if is_v32 else 576,
         raw.shape[0] * pbs,
         pbs,
         p.indices,
         *p.indices.stride(),
         p.indices.shape[2],
         p.topk_length if p.topk_length is not None else dummy_i32,
+        *xargs,
         p.attn_sink if p.attn_sink is not None else l_acc,
         table.metadata,
         table.acc_rows,
@@ -577,7 +681,10 @@ def launch(
         h_q,
     )
     consts = dict(
+        IS_V32=is_v32,
         HAS_TOPK_LEN=p.topk_length is not None,
+        HAS_EXTRA=p.extra_k_cache is not None,
+        HAS_EXTRA_LEN=p.extra_topk_length is not None,
         HAS_SINK=p.attn_sink is not None,
         PBS_POW2=pow2,
         PBS_LOG2=pbs.bit_length() - 1 if pow2 else 0,
@@ -589,5 +696,5 @@ def launch(
         _sparse_decode_gluon_kernel, grid, args, consts, {"num_warps": CONSUMER_WARPS, "maxnreg": config.maxnreg}
     )
     if table.any_split:
-        combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink)
+        combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)
     return out, lse
