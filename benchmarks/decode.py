@@ -66,10 +66,12 @@ def bench_shape(s: DecodeShape, backend: str, peak_tflops: float, peak_gbs: floa
 
 
 def _extra(r: dict) -> str:
-    """``+1024/p64`` (extra top-k / its page size, ``L``: with extra_topk_length), ``-`` without."""
-    if not r.get("extra_topk"):
-        return "-"
-    return f"+{r['extra_topk']}/p{r['extra_pbs']}" + ("L" if r.get("extra_len") else "")
+    """``+1024/p64`` (extra top-k / its page size, ``L``: with extra_topk_length), ``len`` for a
+    full topk_length, ``-`` for neither."""
+    text = "len " if r.get("topk_len") else ""
+    if r.get("extra_topk"):
+        text += f"+{r['extra_topk']}/p{r['extra_pbs']}" + ("L" if r.get("extra_len") else "")
+    return text.strip() or "-"
 
 
 def print_table(rows: list[dict]) -> None:

@@ -43,6 +43,7 @@ class DecodeShape:
     extra_topk: int = 0  # indices per query into an extra cache (0: none)
     extra_pbs: int = PBS
     extra_len: bool = False  # random extra_topk_length in [1, extra_topk]
+    topk_len: bool = False  # pass topk_length = topk (full: the same work as without it)
 
     def matches(self, flt: dict) -> bool:
         return all(str(getattr(self, k)) == v for k, v in flt.items())
@@ -57,6 +58,10 @@ DECODE_SHAPES = [
     DecodeShape(148, 128, 2, 16384, 576, 3133.0),
     DecodeShape(128, 32, 2, 2048, 576),
     DecodeShape(128, 16, 2, 2048, 576),
+    # V3.2 with the features FlashMLA's Hopper kernel refuses: full topk_length (the same work as
+    # the row without it), and 1024 + 1024 extra indices (the same attended count as topk 2048)
+    DecodeShape(64, 128, 2, 2048, 576, 188.2, topk_len=True),
+    DecodeShape(64, 128, 2, 1024, 576, extra_topk=1024),
     DecodeShape(64, 128, 2, 2048, 512),
     DecodeShape(64, 64, 2, 2048, 512),
     # MODEL1 as FlashMLA's tests run it in production: 16K-token caches with 256-token pages, top-k
@@ -186,6 +191,7 @@ class DecodeInputs:
     extra_k_cache: torch.Tensor | None = None
     extra_sets: list | None = None  # [b, s_q, extra_topk] per index set
     extra_topk_length: torch.Tensor | None = None
+    topk_length: torch.Tensor | None = None
 
     def bytes_moved(self, s: DecodeShape) -> float:
         """Cache bytes of the distinct tokens read, plus q, out (bf16) and lse (fp32)."""
@@ -203,6 +209,8 @@ class DecodeInputs:
     def call_kwargs(self, i: int) -> dict:
         """The index arguments of ``flash_mla_with_kvcache`` for index set ``i`` (rotating)."""
         kw = dict(indices=self.index_sets[i % len(self.index_sets)])
+        if self.topk_length is not None:
+            kw["topk_length"] = self.topk_length
         if self.extra_sets is not None:
             kw.update(
                 extra_k_cache=self.extra_k_cache,
@@ -254,6 +262,8 @@ def decode_inputs(s: DecodeShape, seed: int = 0, device: str = "cuda") -> Decode
     sets = _index_sets(s.b, s.s_q, s.ctx, s.topk, s.pbs, table, n_sets, g, device)
     uniq = sum(int(torch.unique(ix[ix >= 0]).numel()) for ix in sets) / n_sets
     inp = DecodeInputs(q, kc, sets, uniq)
+    if s.topk_len:
+        inp.topk_length = torch.full((s.b,), s.topk, dtype=torch.int32, device=device)
     if s.extra_topk:
         ekc, etable = _paged_cache(s.b, s.ctx, s.extra_pbs, lay, g, device)
         inp.extra_k_cache = ekc

@@ -73,6 +73,7 @@ def compile_kernel(
         HAS_SINK=has_sink,
         PBS_POW2=pbs_pow2,
         PBS_LOG2=pbs_log2,
+        ALIGN=16,
         PRODUCER_WARPS=sdg.HopperConfig().producer_warps,
         PRODUCER_REGS=producer_regs,
         PROFILE=sdg.PROFILE_OFF,

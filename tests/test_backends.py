@@ -106,9 +106,7 @@ def test_every_serving_backend_matches_the_reference(layout):
         assert meta.backend == name
         check_decode_close(out, lse, ro, rl)
         ran.append(name)
-    assert (
-        "reference" in ran and (not KERNELS or "portable" in ran) and (not HOPPER or "hopper" in ran)
-    )
+    assert "reference" in ran and (not KERNELS or "portable" in ran) and (not HOPPER or "hopper" in ran)
 
 
 @pytest.mark.parametrize("h_q", [8, 16, 40, 128])

@@ -177,6 +177,7 @@ def _producer(
     HAS_EXTRA_LEN: gl.constexpr,
     PBS_POW2: gl.constexpr,
     PBS_LOG2: gl.constexpr,
+    ALIGN: gl.constexpr,
     PROFILE: gl.constexpr,
 ):
     """Gather, dequantise and stage the K tiles of this partition's blocks (see the module doc)."""
@@ -272,7 +273,7 @@ def _producer(
                 else:  # MODEL1: packed [nope | rope] records of 576 B, then the blocks' 8-byte scale records
                     tok8 = blk8 + o8.to(gl.int64) * 576
                     scl8 = blk8 + c_pbs.to(gl.int64) * 576 + o8.to(gl.int64) * 8
-                tok8 = gl.multiple_of(tok8, 16)
+                tok8 = gl.multiple_of(tok8, ALIGN)
                 vmask = gl.where(v8, 0.0, float("-inf"))
                 tok3 = gl.convert_layout(tok8, ROW3)
                 v3 = gl.convert_layout(v8, ROW3)
@@ -527,6 +528,7 @@ def _sparse_decode_gluon_kernel(
     HAS_SINK: gl.constexpr,
     PBS_POW2: gl.constexpr,
     PBS_LOG2: gl.constexpr,
+    ALIGN: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     PROFILE: gl.constexpr,
@@ -590,6 +592,7 @@ def _sparse_decode_gluon_kernel(
                     HAS_EXTRA_LEN,
                     PBS_POW2,
                     PBS_LOG2,
+                    ALIGN,
                     PROFILE,
                 ),
             ),
@@ -600,6 +603,21 @@ def _sparse_decode_gluon_kernel(
 
 
 # --------------------------------------------------------------------------------------------- launcher
+def _record_alignment(raw: torch.Tensor, is_v32: bool, extra: torch.Tensor | None) -> int:
+    """The largest power of two (at most 16) that divides every token record's byte address in the
+    caches: the gathers are 16-byte loads when it is 16 (every FlashMLA layout), narrower for views
+    whose block or token stride is not (a dense copy of a padded MODEL1 cache: 61 * 584 bytes)."""
+    vals = [raw.data_ptr(), raw.stride(0), raw.stride(1) if is_v32 else 576]
+    if extra is not None:
+        x = cache_bytes(extra)
+        vals += [x.data_ptr(), x.stride(0), x.stride(1) if is_v32 else 576]
+    a = 16
+    for v in vals:
+        while v % a:
+            a //= 2
+    return a
+
+
 _DEFAULT_CONFIG = HopperConfig()  # frozen: one validated instance serves every default call
 
 
@@ -681,6 +699,7 @@ def launch(
         h_q,
     )
     consts = dict(
+        ALIGN=_record_alignment(raw, is_v32, p.extra_k_cache),
         IS_V32=is_v32,
         HAS_TOPK_LEN=p.topk_length is not None,
         HAS_EXTRA=p.extra_k_cache is not None,
