@@ -1,5 +1,5 @@
 """Warp-specialised split-KV sparse decode for Hopper (sm_90), written in Gluon: the ``hopper``
-backend (V32 cache, no extra cache, any h_q in 64-head tiles). Twin:
+backend (V32 and MODEL1 caches, the extra cache, any h_q in 64-head tiles). Twin:
 :func:`sparse_mla.decode.reference.sparse_decode_split_reference`.
 
 Same launch contract as :func:`sparse_mla.decode.portable.launch` (same scheduler partition walk,
@@ -18,9 +18,14 @@ Structure of one CTA (one scheduler partition x one query token x 64 heads), Fla
   ``[64, 576]`` bf16 K tile into the stage with one store per part (128-B swizzled NVMMA layout,
   wgmma-ready), plus an fp32 mask row (0 for a valid token, -inf otherwise). Invalid
   tokens are never loaded (K row = 0). Then ``fence_async_shared`` and an mbarrier arrive on
-  ``ready[stage]``.
+  ``ready[stage]``. MODEL1 (``IS_V32`` false): the 448 NoPE bytes as a ``[64, 8, 64]`` tile whose
+  8th slot is masked off, the 7 e8m0 scales (in the block's scale rows after its token rows) as
+  one load per token, and the 64 bf16 RoPE values fill the 8th slot: one ``[64, 512]`` K tile that
+  is also V (``d_v = d_qk = 512``), no RoPE tile. With an extra cache (``HAS_EXTRA``) a request's
+  walk continues past its main-cache blocks into the extra cache's, each block gathering from the
+  cache (pointer, strides, page size, indices, length) it belongs to.
 * **consumer = default partition** (8 warps = 2 warpgroups): per request piece it stages
-  ``Q [64, 576]`` bf16 in smem once; per block it waits ``ready[stage]``, computes
+  ``Q [64, 576]`` (MODEL1: ``[64, 512]``) bf16 in smem once; per block it waits ``ready[stage]``, computes
   ``S = Q Kᵀ [64, 64]`` with one wgmma whose accumulator layout is ``warps_per_cta = [4, 2]``: the
   two warpgroups each compute 32 of the 64 key columns (QKᵀ is done once, not twice); exp2
   online softmax (row max / row sum cross the two warpgroups through a small smem scratch that
@@ -630,8 +635,7 @@ def launch(
     """Launch the warp-specialised kernel, and the combine kernel when some batch is split.
 
     Args:
-        p: a validated, non-empty problem the ``hopper`` backend serves (V32, no extra cache; the
-            dispatcher checks, :mod:`.backends`).
+        p: a validated, non-empty problem on an sm_90 device (the dispatcher checks, :mod:`.backends`).
         table: its schedule on ``p.q``'s device, sized for 64-head tiles.
         config: launch parameters (default :class:`HopperConfig`).
         workspace: ``(o_accum, lse_accum)`` of at least ``table.num_acc_rows`` rows
