@@ -52,6 +52,7 @@ def test_ops_are_registered():
     assert mutated(torch.ops.sparse_mla.combine) == ["out", "lse"]
     assert mutated(torch.ops.sparse_mla.sparse_decode) == []
     assert mutated(torch.ops.sparse_mla.abs_indices_to_kvcache_indices) == []
+    assert mutated(torch.ops.sparse_mla.sparse_prefill) == []
 
 
 @pytest.mark.parametrize("layout,num_sms,extras", [("V32", 32, False), ("MODEL1", 4, True)])

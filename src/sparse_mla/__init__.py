@@ -14,7 +14,13 @@ index conversion, custom ops); :mod:`.tools` (CLI); :mod:`.testing` (tolerances 
 """
 
 from . import serving as _serving  # noqa: F401  (registers torch.ops.sparse_mla.*)
-from .api import FlashMLASchedMeta, decode_workspace_bytes, flash_mla_with_kvcache, get_mla_metadata
+from .api import (
+    FlashMLASchedMeta,
+    decode_workspace_bytes,
+    flash_mla_sparse_fwd,
+    flash_mla_with_kvcache,
+    get_mla_metadata,
+)
 from .formats import MODEL1, V32, KVCacheLayout, dequantize_k_cache, get_layout, quantize_k_cache
 from .serving.reference import abs_indices_to_kvcache_indices
 
@@ -24,6 +30,7 @@ __all__ = [
     "FlashMLASchedMeta",
     "get_mla_metadata",
     "flash_mla_with_kvcache",
+    "flash_mla_sparse_fwd",
     "decode_workspace_bytes",
     "KVCacheLayout",
     "V32",

@@ -17,9 +17,17 @@ from __future__ import annotations
 import torch
 
 from .plan import FlashMLASchedMeta, check_sched_meta, decode_workspace_bytes, get_mla_metadata
+from .prefill.problem import validate_sparse_prefill
+from .prefill.run import run_prefill
 from .serving.ops import decode
 
-__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "decode_workspace_bytes"]
+__all__ = [
+    "FlashMLASchedMeta",
+    "get_mla_metadata",
+    "flash_mla_with_kvcache",
+    "decode_workspace_bytes",
+    "flash_mla_sparse_fwd",
+]
 
 
 def flash_mla_with_kvcache(
@@ -116,3 +124,57 @@ def flash_mla_with_kvcache(
         extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
         extra_topk_length=extra_topk_length, backend=backend, out=out, lse=lse,
     )  # fmt: skip
+
+
+def flash_mla_sparse_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse MLA prefill: every query token attends its own top-k keys (FlashMLA 1.0's
+    ``flash_mla_sparse_fwd`` signature and semantics; DESIGN §9).
+
+    Beyond FlashMLA: any ``h_q`` in 1..128, any ``topk >= 1``, and ``kv`` may be the FP8 paged
+    cache itself, with ``indices`` holding cache slots exactly as the decode takes them (no
+    up-converted BF16 copy).
+
+    Args:
+        q: ``[s_q, h_q, d_qk]`` bf16, ``d_qk`` 576 (V3.2) or 512 (MODEL1); last dim contiguous.
+        kv: ``[s_kv, 1, d_qk]`` bf16 (last dim contiguous, row stride free), or the FP8 paged
+            cache ``[num_blocks, page_block_size, 1, 656 | 584]`` (``float8_e4m3fn`` or ``uint8``;
+            V32 for d_qk 576, MODEL1 for 512; strided pool views as in the decode).
+        indices: ``[s_q, 1, topk]`` int32: rows of ``kv`` (cache slots ``block * page_block_size +
+            offset`` for the FP8 form); ``-1`` or any value outside ``[0, rows)`` is ignored.
+        sm_scale: softmax scale (finite, > 0), e.g. ``d_qk ** -0.5``.
+        d_v: 512 (V is the first 512 dims of each key row).
+        attn_sink: ``[h_q]`` fp32: out scaled by ``exp(lse) / (exp(lse) + exp(sink))``; lse and
+            max_logits unchanged.
+        topk_length: ``[s_q]`` int32: query token i uses only ``indices[i, 0, :topk_length[i]]``
+            (values past ``topk`` count as ``topk``, below 0 as 0). Rows past it are never read,
+            so NaN there cannot reach the output.
+        backend: ``"auto"``, ``"portable"`` (Triton kernel; CUDA, or CPU under
+            ``TRITON_INTERPRET=1``) or ``"reference"`` (fp32 PyTorch); keyword only.
+
+    Returns:
+        ``out [s_q, h_q, 512]`` bf16; ``max_logits [s_q, h_q]`` fp32, the max of ``q·k·sm_scale``
+        over the valid keys; ``lse [s_q, h_q]`` fp32, natural-log logsumexp of the same scores.
+        A query head with no valid key gets out 0, lse +inf, max_logits -inf. A NaN or +inf score
+        on a valid key makes that head's out and lse NaN (max_logits is the max, NaN or +inf).
+
+    The call is CUDA-graph safe (no host synchronisation, no allocation but the outputs) and
+    under ``torch.compile`` becomes the operator ``torch.ops.sparse_mla.sparse_prefill``.
+
+    Raises:
+        TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device (the
+            message names it), or a backend that cannot run the call.
+    """
+    if torch.compiler.is_compiling():  # one operator in the graph (validated when it runs)
+        return torch.ops.sparse_mla.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, backend)
+    p = validate_sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    return run_prefill(p, backend)

@@ -9,6 +9,7 @@ from .serving.ops import (
     quantize_and_store_kv,
     schedule_tensors,
     sparse_decode,
+    sparse_prefill,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "combine",
     "quantize_and_store_kv",
     "abs_indices_to_kvcache_indices",
+    "sparse_prefill",
 ]

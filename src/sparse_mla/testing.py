@@ -13,7 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Tolerance", "FLASHMLA_DECODE", "Closeness", "decode_closeness", "check_decode_close", "cos_diff"]
+__all__ = [
+    "Tolerance",
+    "FLASHMLA_DECODE",
+    "FLASHMLA_PREFILL",
+    "Closeness",
+    "decode_closeness",
+    "check_decode_close",
+    "check_prefill_close",
+    "cos_diff",
+]
 
 
 @dataclass(frozen=True)
@@ -29,6 +38,8 @@ class Tolerance:
 
 #: FlashMLA 1.0's decode test tolerances
 FLASHMLA_DECODE = Tolerance(out_abs=1e-3, out_rel=2.01 / 128, out_cos=5e-6, lse_abs=1e-6, lse_rel=8 / 65536)
+#: FlashMLA 1.0's sparse prefill test tolerances (lse ones also bound max_logits)
+FLASHMLA_PREFILL = Tolerance(out_abs=8e-4, out_rel=3.01 / 128, out_cos=7e-6, lse_abs=1e-6, lse_rel=2.01 / 65536)
 
 
 def cos_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -150,3 +161,26 @@ def check_decode_close(
     except ValueError as e:  # shapes differ
         raise AssertionError(str(e)) from None
     assert c.ok, c.detail
+
+
+def check_prefill_close(
+    out: torch.Tensor,
+    max_logits: torch.Tensor,
+    lse: torch.Tensor,
+    ref_out: torch.Tensor,
+    ref_max_logits: torch.Tensor,
+    ref_lse: torch.Tensor,
+    finite: bool = True,
+    tol: Tolerance = FLASHMLA_PREFILL,
+) -> None:
+    """Assert a sparse prefill result is within FlashMLA's prefill tolerances of the fp32
+    reference: ``out`` and ``lse`` as :func:`check_decode_close`, ``max_logits`` with the lse
+    bounds (non-finite entries at the same places)."""
+    check_decode_close(out, lse, ref_out, ref_lse, finite, tol)
+    if max_logits.shape != ref_max_logits.shape:
+        raise AssertionError(f"max_logits: shape {list(max_logits.shape)} != reference {list(ref_max_logits.shape)}")
+    d = _diff(max_logits, ref_max_logits, tol.lse_abs, tol.lse_rel)
+    assert not d.anomaly, f"max_logits: {d.anomaly}"
+    assert d.n_over == 0, (
+        f"max_logits: {d.n_over} entries out of tolerance, worst at {list(d.worst_index)}; max |d| = {d.max_abs_err:.3g}"
+    )

@@ -25,7 +25,7 @@ from triton import knobs
 
 from ..runtime import interpreting
 
-__all__ = ["launch", "direct_launch_enabled"]
+__all__ = ["launch", "launch_fitting", "direct_launch_enabled"]
 
 _CACHE: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
 #: keys remembered at most (the cache is emptied when it is full)
@@ -104,3 +104,28 @@ def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, o
         *args,
         *(consts[n] for n in names),
     )
+
+
+_STAGE_CAP: dict = {}  # (kernel, variant) -> most pipeline stages that fit in shared memory
+
+
+def launch_fitting(
+    kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, num_warps: int, num_stages: int, key: Any
+) -> None:
+    """:func:`launch` with ``NUM_STAGES = num_stages`` pipeline stages, or fewer when the variant
+    does not fit in shared memory (seen: MODEL1 with an extra cache wants 246 KB at 2 stages on an
+    H200); the stage count that fits is remembered per ``(kernel, key)`` (``key``: what tells the
+    variants apart, e.g. the device and the constexprs)."""
+    import triton
+
+    cap_key = (kernel, key, num_warps)
+    stages = min(num_stages, _STAGE_CAP.get(cap_key, num_stages))
+    while True:
+        try:
+            launch(kernel, grid, args, {**consts, "NUM_STAGES": stages}, {"num_warps": num_warps})
+            return
+        except triton.runtime.errors.OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            _STAGE_CAP[cap_key] = stages

@@ -35,7 +35,7 @@ from ..problem import DecodeProblem, finish_outputs, output_tensors
 from ..runtime import LOG2E, interpreting, require_runnable
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, small_head_tile
 from .combine import combine_fwd, final_out_lse
-from .launcher import launch as launch_kernel
+from .launcher import launch_fitting
 from .workspace import split_accumulators
 
 __all__ = ["PortableConfig", "launch"]
@@ -470,9 +470,6 @@ def _sparse_decode_kernel(
         req += 1
 
 
-_STAGE_CAP: dict = {}  # kernel variant -> most pipeline stages that fit in shared memory
-
-
 def _cache_args(kc: torch.Tensor, is_v32: bool) -> tuple[tuple, int]:
     """The kernel's ``cache`` tuple for a cache tensor, and its ADDR mode."""
     raw = cache_bytes(kc)
@@ -567,26 +564,15 @@ def launch(
         DOT_PREC="ieee" if interp else None,
         FOR_LOOP=not interp,
     )
-    _launch_fitting(args, consts, (table.num_sm_parts, s_q, triton.cdiv(h_q, block_h)), config, dev)
+    launch_fitting(
+        _sparse_decode_kernel,
+        (table.num_sm_parts, s_q, triton.cdiv(h_q, block_h)),
+        args,
+        consts,
+        config.num_warps,
+        config.num_stages,
+        (dev, tuple(consts.items())),
+    )
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)
     return finish_outputs(p, out, lse)
-
-
-def _launch_fitting(args: tuple, consts: dict, grid: tuple, config: PortableConfig, dev: torch.device) -> None:
-    """Launch with ``config.num_stages`` pipeline stages, or fewer when the variant does not fit in
-    shared memory (seen: MODEL1 with an extra cache wants 246 KB at 2 stages on an H200); the
-    stage count that fits is remembered per variant."""
-    key = (dev, tuple(consts.items()), config.num_warps)
-    stages = min(config.num_stages, _STAGE_CAP.get(key, config.num_stages))
-    while True:
-        try:
-            launch_kernel(
-                _sparse_decode_kernel, grid, args, {**consts, "NUM_STAGES": stages}, {"num_warps": config.num_warps}
-            )
-            return
-        except triton.runtime.errors.OutOfResources:
-            if stages <= 1:
-                raise
-            stages -= 1
-            _STAGE_CAP[key] = stages

@@ -1,6 +1,6 @@
 """``torch.library`` custom ops of the serving path (``torch.ops.sparse_mla.*``).
 
-``import sparse_mla`` imports this module, which registers four operators, each with a fake (meta) implementation, so that
+``import sparse_mla`` imports this module, which registers five operators, each with a fake (meta) implementation, so that
 they can be traced by ``torch.compile`` (``fullgraph=True``) and captured in CUDA graphs:
 
 =======================================================  =========================================
@@ -10,6 +10,7 @@ they can be traced by ``torch.compile`` (``fullgraph=True``) and captured in CUD
 ``sparse_mla::quantize_and_store_kv``                    fused quantise + paged-cache write
                                                          (mutates ``k_cache``)
 ``sparse_mla::abs_indices_to_kvcache_indices``           logical top-k positions -> cache indices
+``sparse_mla::sparse_prefill``                           sparse prefill (bf16 ``kv`` or FP8 cache)
 =======================================================  =========================================
 
 A custom op cannot take the :class:`~sparse_mla.plan.FlashMLASchedMeta` object, so
@@ -34,6 +35,8 @@ import torch
 
 from ..decode.backends import resolve_backend, run_decode
 from ..plan import DecodePlan, FlashMLASchedMeta, check_sched_meta, ensure_plan
+from ..prefill.problem import validate_sparse_prefill
+from ..prefill.run import run_prefill
 from ..problem import DecodeProblem, empty_outputs, into_buffers, is_empty, validate_sparse_decode
 from ..runtime import use_triton
 from ..scheduler import MAX_ACC_ROWS_PER_PART, META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
@@ -44,6 +47,7 @@ __all__ = [
     "combine",
     "quantize_and_store_kv",
     "abs_indices_to_kvcache_indices",
+    "sparse_prefill",
     "OPS",
 ]
 
@@ -53,6 +57,7 @@ OPS = (
     "sparse_mla::combine",
     "sparse_mla::quantize_and_store_kv",
     "sparse_mla::abs_indices_to_kvcache_indices",
+    "sparse_mla::sparse_prefill",
 )
 
 D_V = 512
@@ -562,3 +567,32 @@ def abs_indices_to_kvcache_indices(
 @abs_indices_to_kvcache_indices.register_fake
 def _(abs_indices, block_table, page_block_size):
     return torch.empty_like(abs_indices, dtype=torch.int32, memory_format=torch.contiguous_format)
+
+
+# --------------------------------------------------------------------------------------------
+# sparse_mla::sparse_prefill
+
+
+@torch.library.custom_op("sparse_mla::sparse_prefill", mutates_args=())
+def sparse_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = D_V,
+    attn_sink: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sparse_mla.flash_mla_sparse_fwd` as an operator: ``(out, max_logits, lse)``."""
+    return run_prefill(validate_sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length), backend)
+
+
+@sparse_prefill.register_fake
+def _(q, kv, indices, sm_scale, d_v=D_V, attn_sink=None, topk_length=None, backend="auto"):
+    s_q, h_q, _ = q.shape
+    return (
+        q.new_empty((s_q, h_q, d_v), dtype=torch.bfloat16),
+        q.new_empty((s_q, h_q), dtype=torch.float32),
+        q.new_empty((s_q, h_q), dtype=torch.float32),
+    )

@@ -1,0 +1,143 @@
+"""Validation of a sparse prefill call (stage 1 of the prefill path): every argument checked, with
+errors naming it, before anything runs; the result is a frozen :class:`PrefillProblem`."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..formats import KVCacheLayout, get_layout
+from ..problem import MAX_H_Q, _check_cache, _check_vector, check_tensor
+
+__all__ = ["PrefillProblem", "validate_sparse_prefill", "FP8_CACHE_DTYPES"]
+
+#: dtypes of an FP8 paged cache passed as ``kv`` (raw bytes or e4m3)
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+@dataclass(frozen=True)
+class PrefillProblem:
+    """A validated sparse prefill call.
+
+    Attributes:
+        q: ``[s_q, h_q, d_qk]`` bf16, last dim contiguous.
+        kv: ``[s_kv, 1, d_qk]`` bf16 (last dim contiguous), or an FP8 paged cache
+            ``[num_blocks, page_block_size, 1, 656 | 584]`` (``kv_fp8``).
+        indices: ``[s_q, 1, topk]`` int32 (rows of ``kv``, or cache slots when ``kv_fp8``).
+        sm_scale: softmax scale (natural units).
+        d_v: 512.
+        attn_sink: ``[h_q]`` fp32, contiguous, or None.
+        topk_length: ``[s_q]`` int32, contiguous, or None.
+        kv_fp8: whether ``kv`` is the FP8 paged cache.
+        layout: the cache layout of ``d_qk`` (V32 for 576, MODEL1 for 512).
+    """
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    indices: torch.Tensor
+    sm_scale: float
+    d_v: int
+    attn_sink: torch.Tensor | None
+    topk_length: torch.Tensor | None
+    kv_fp8: bool
+    layout: KVCacheLayout
+
+    @property
+    def s_q(self) -> int:
+        return int(self.q.shape[0])
+
+    @property
+    def h_q(self) -> int:
+        return int(self.q.shape[1])
+
+    @property
+    def topk(self) -> int:
+        return int(self.indices.shape[2])
+
+    @property
+    def num_kv_rows(self) -> int:
+        """Rows ``kv`` holds (``s_kv``, or ``num_blocks * page_block_size`` cache slots)."""
+        if self.kv_fp8:
+            return int(self.kv.shape[0]) * int(self.kv.shape[1])
+        return int(self.kv.shape[0])
+
+
+def _check_q(q: Any) -> KVCacheLayout:
+    check_tensor(q, "q", (torch.bfloat16,), 3)
+    _, h_q, d_qk = q.shape
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {q.device}")
+    if d_qk not in (576, 512):
+        raise ValueError(f"q: head dim d_qk must be 576 (V3.2) or 512 (MODEL1), got {d_qk}")
+    if not 1 <= h_q <= MAX_H_Q:
+        raise ValueError(f"q: h_q must be in [1, {MAX_H_Q}], got shape {list(q.shape)}")
+    if q.stride(-1) != 1:
+        raise ValueError("q: the last dimension must be contiguous (stride 1)")
+    return get_layout(d_qk)
+
+
+def _check_kv(kv: Any, lay: KVCacheLayout, dev: torch.device) -> bool:
+    """Check ``kv``; returns whether it is the FP8 paged cache."""
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype in FP8_CACHE_DTYPES:
+        _check_cache(kv, "kv", lay, dev)
+        return True
+    if kv.dtype != torch.bfloat16:
+        raise TypeError(
+            f"kv: expected bf16 [s_kv, 1, d_qk] or an FP8 paged cache (float8_e4m3fn or uint8 "
+            f"[num_blocks, page_block_size, 1, {lay.bytes_per_token}]), got dtype {kv.dtype}"
+        )
+    if kv.dim() != 3 or kv.shape[1] != 1 or kv.shape[2] != lay.d_qk:
+        raise ValueError(f"kv: expected shape [s_kv, 1, d_qk={lay.d_qk}] (h_kv = 1), got {list(kv.shape)}")
+    if kv.device != dev:
+        raise ValueError(f"kv: expected a tensor on {dev} (where q is), got {kv.device}")
+    if kv.stride(-1) != 1:
+        raise ValueError("kv: the last dimension must be contiguous (stride 1)")
+    return False
+
+
+def _check_sm_scale(sm_scale: Any) -> float:
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale: expected a float, got {type(sm_scale).__name__}")
+    v = float(sm_scale)
+    if not (0 < v < float("inf")):
+        raise ValueError(f"sm_scale: expected a finite positive float, got {sm_scale!r}")
+    return v
+
+
+def validate_sparse_prefill(
+    q: Any,
+    kv: Any,
+    indices: Any,
+    sm_scale: Any,
+    d_v: Any = 512,
+    attn_sink: Any = None,
+    topk_length: Any = None,
+) -> PrefillProblem:
+    """Check a ``flash_mla_sparse_fwd`` call (see :func:`sparse_mla.flash_mla_sparse_fwd` for the
+    contract) and return it as a :class:`PrefillProblem`; ``attn_sink`` and ``topk_length`` come
+    back contiguous (a copy on the device for views).
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype.
+        ValueError: a wrong shape, device, stride or value (the message names the argument).
+    """
+    lay = _check_q(q)
+    s_q, h_q, _ = q.shape
+    dev = q.device
+    kv_fp8 = _check_kv(kv, lay, dev)
+    check_tensor(indices, "indices", (torch.int32,), 3, dev)
+    if indices.shape[0] != s_q or indices.shape[1] != 1:
+        raise ValueError(f"indices: expected shape [s_q={s_q}, h_kv=1, topk], got {list(indices.shape)}")
+    if indices.shape[2] < 1:
+        raise ValueError(f"indices: topk must be >= 1, got {indices.shape[2]}")
+    scale = _check_sm_scale(sm_scale)
+    if isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral) or d_v != lay.d_v:
+        raise ValueError(f"d_v: expected {lay.d_v}, got {d_v!r}")
+    attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
+    topk_length = _check_vector(topk_length, "topk_length", torch.int32, s_q, "s_q", dev)
+    return PrefillProblem(q, kv, indices, scale, int(d_v), attn_sink, topk_length, kv_fp8, lay)

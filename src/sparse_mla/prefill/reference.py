@@ -1,0 +1,81 @@
+"""fp32 PyTorch reference of the sparse prefill (the test oracle; DESIGN §9).
+
+Semantics (FlashMLA 1.0's ``flash_mla_sparse_fwd``): query token ``i`` attends the rows
+``indices[i, 0, :topk_length[i]]`` of ``kv`` that are valid (``0 <= idx < s_kv``; for an FP8 paged
+cache, ``< num_blocks * page_block_size`` slots); scores ``P = q·k · sm_scale``;
+``max_logits = max P`` and ``lse = logsumexp P`` (natural log) over the valid keys; ``out =
+softmax(P) · k[:, :d_v]``, then times ``exp(lse) / (exp(lse) + exp(sink))`` when ``attn_sink`` is
+given (lse and max_logits unchanged). A query head with no valid key gets out 0, lse +inf,
+max_logits -inf. Invalid keys are never read, so NaN in unattended rows cannot reach the output.
+Non-finite scores follow the decode contract: a NaN or ``+inf`` score on a valid key makes out and
+lse NaN (max_logits is then NaN or +inf, the max itself).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..decode.reference import gather_kv
+
+__all__ = ["gather_prefill_keys", "sparse_prefill_reference"]
+
+
+def gather_prefill_keys(
+    kv: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None, kv_fp8: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k [s_q, topk, d_qk] float32, valid [s_q, topk] bool)``: the indexed rows (dequantised
+    from an FP8 cache), 0 where invalid (never read)."""
+    if kv_fp8:  # the decode gather with b = s_q requests of one query token each
+        k, valid = gather_kv(kv, indices, topk_length)
+        return k[:, 0], valid[:, 0]
+    idx = indices[:, 0, :].long()
+    valid = (idx >= 0) & (idx < kv.shape[0])
+    if topk_length is not None:
+        pos = torch.arange(idx.shape[-1], device=idx.device)
+        valid &= pos.view(1, -1) < topk_length.to(idx.device).long().view(-1, 1)
+    if kv.shape[0] == 0:
+        return torch.zeros(*idx.shape, kv.shape[-1], dtype=torch.float32, device=idx.device), valid
+    rows = kv[:, 0, :][torch.where(valid, idx, torch.zeros_like(idx))].float()
+    return torch.where(valid.unsqueeze(-1), rows, torch.zeros((), device=rows.device)), valid
+
+
+def sparse_prefill_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Direct fp32 sparse prefill.
+
+    Args:
+        q: ``[s_q, h_q, d_qk]`` (bf16; computed in fp32).
+        kv: ``[s_kv, 1, d_qk]`` bf16, or an FP8 paged cache ``[num_blocks, page_block_size, 1,
+            656 | 584]`` (float8_e4m3fn or uint8).
+        indices: ``[s_q, 1, topk]`` int32 rows of ``kv`` (cache slots for the FP8 form).
+        sm_scale: softmax scale.
+        d_v: value dims (512).
+        attn_sink: ``[h_q]`` fp32 or None.
+        topk_length: ``[s_q]`` int32 or None.
+
+    Returns:
+        ``out [s_q, h_q, d_v]``, ``max_logits [s_q, h_q]``, ``lse [s_q, h_q]``, all float32.
+    """
+    kv_fp8 = kv.dtype in (torch.float8_e4m3fn, torch.uint8)
+    k, valid = gather_prefill_keys(kv, indices, topk_length, kv_fp8)
+    s = torch.einsum("shd,std->sht", q.float(), k) * sm_scale
+    s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    max_logits = s.amax(dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    poisoned = (torch.isnan(s) | torch.isposinf(s)).any(dim=-1)
+    lse = torch.where(poisoned, torch.full_like(lse, float("nan")), lse)
+    lonely = torch.isneginf(lse)
+    p = torch.exp(s - torch.where(lonely, torch.zeros_like(lse), lse).unsqueeze(-1))
+    out = torch.einsum("sht,std->shd", p, k[..., :d_v])
+    lse = torch.where(lonely, torch.full_like(lse, float("inf")), lse)
+    if attn_sink is not None:
+        out = out * torch.sigmoid(lse - attn_sink.float().to(lse.device)).unsqueeze(-1)
+    out = torch.where(lonely.unsqueeze(-1), torch.zeros_like(out), out)
+    return out, max_logits, lse

@@ -1,0 +1,311 @@
+"""Sparse prefill (``flash_mla_sparse_fwd``): the reference against the definition, the portable
+kernel against the reference (compiled on CUDA, interpreted on the CPU) on fresh random inputs
+and the contract's corner cases, both ``kv`` forms (bf16 rows, the FP8 paged cache), views, and
+argument validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import cache_to, make_cache, random_latent_k, triton_interpret_enabled
+
+import sparse_mla as flash_mla
+from sparse_mla.prefill.reference import sparse_prefill_reference
+from sparse_mla.testing import check_prefill_close
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+KERNELS = ON_GPU or triton_interpret_enabled()
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="kernels need CUDA or TRITON_INTERPRET=1")
+LAYOUT = {576: "V32", 512: "MODEL1"}
+
+
+def make_case(
+    s_q,
+    h_q,
+    topk,
+    d_qk=576,
+    form="bf16",
+    s_kv=300,
+    pbs=64,
+    seed=0,
+    invalid_frac=0.1,
+    topk_length=None,
+    sink=False,
+):
+    """Random prefill inputs on DEVICE: ``(q, kv, indices, kwargs)``; indices are distinct valid
+    rows with some ``-1`` and out-of-range entries mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s_q, h_q, d_qk, generator=g).to(torch.bfloat16)
+    if form == "bf16":
+        kv = random_latent_k(1, s_kv, d_qk, seed).view(s_kv, 1, d_qk)
+        n_rows = s_kv
+    else:
+        nb = -(-s_kv // pbs)
+        _, kv = make_cache(LAYOUT[d_qk], nb, pbs, seed)
+        n_rows = nb * pbs
+    idx = torch.stack([torch.randperm(n_rows, generator=g)[:topk] for _ in range(s_q)] or [torch.zeros(0)]).int()
+    idx = idx[:s_q]
+    if idx.shape[1] < topk:  # s_kv < topk: pad with -1
+        idx = torch.cat([idx, torch.full((s_q, topk - idx.shape[1]), -1, dtype=torch.int32)], dim=1)
+    bad = torch.rand(s_q, topk, generator=g) < invalid_frac
+    oob = torch.rand(s_q, topk, generator=g) < 0.5
+    idx = torch.where(bad & oob, n_rows + 3, torch.where(bad, -1, idx)).int().view(s_q, 1, topk)
+    kw = {}
+    if topk_length is not None:
+        kw["topk_length"] = torch.tensor(topk_length, dtype=torch.int32, device=DEVICE)
+    if sink:
+        s = torch.randn(h_q, generator=g)
+        s[:1] = float("inf")
+        s[1:2] = float("-inf")
+        kw["attn_sink"] = s.to(DEVICE)
+    kv = kv.to(DEVICE) if form == "bf16" else cache_to(kv, DEVICE)
+    return q.to(DEVICE), kv, idx.to(DEVICE), kw
+
+
+def run_and_check(q, kv, idx, backend="auto", finite=True, **kw):
+    sm_scale = q.shape[-1] ** -0.5
+    out, ml, lse = flash_mla.flash_mla_sparse_fwd(q, kv, idx, sm_scale, backend=backend, **kw)
+    assert out.dtype == torch.bfloat16 and ml.dtype == lse.dtype == torch.float32
+    assert out.shape == (q.shape[0], q.shape[1], 512) and ml.shape == lse.shape == q.shape[:2]
+    ro, rm, rl = sparse_prefill_reference(q, kv, idx, sm_scale, **kw)
+    check_prefill_close(out, ml, lse, ro, rm, rl, finite=finite)
+    return out, ml, lse
+
+
+# ------------------------------------------------------------------------------ the reference
+
+
+@pytest.mark.parametrize("form", ["bf16", "fp8"])
+def test_reference_matches_the_definition(form):
+    # one query at a time, one key at a time, in float64: the contract written out
+    q, kv, idx, kw = make_case(3, 4, 40, form=form, s_kv=70, seed=1, topk_length=[40, 7, 0], sink=True)
+    q, idx = q.cpu(), idx.cpu()
+    kw = {k: v.cpu() for k, v in kw.items()}
+    kv = kv.cpu() if form == "bf16" else cache_to(kv, "cpu")
+    rows = kv[:, 0].double() if form == "bf16" else flash_mla.dequantize_k_cache(kv, "V32").reshape(-1, 576).double()
+    scale = 576**-0.5
+    out, ml, lse = sparse_prefill_reference(q, kv, idx, scale, **kw)
+    for i in range(3):
+        keys = [int(t) for t in idx[i, 0, : int(kw["topk_length"][i])] if 0 <= int(t) < rows.shape[0]]
+        for h in range(4):
+            if not keys:
+                assert out[i, h].abs().max() == 0 and math.isinf(lse[i, h]) and lse[i, h] > 0
+                assert math.isinf(ml[i, h]) and ml[i, h] < 0
+                continue
+            s = torch.stack([q[i, h].double() @ rows[t] * scale for t in keys])
+            want_lse = torch.logsumexp(s, 0)
+            o = (torch.softmax(s, 0)[:, None] * rows[keys, :512]).sum(0)
+            o = o * torch.sigmoid(want_lse - kw["attn_sink"][h].double())
+            torch.testing.assert_close(out[i, h].double(), o, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(lse[i, h].double(), want_lse, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(ml[i, h].double(), s.max(), rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ the kernel
+
+
+@needs_kernels
+@pytest.mark.parametrize("form", ["bf16", "fp8"])
+@pytest.mark.parametrize("d_qk", [576, 512])
+@pytest.mark.parametrize("h_q, topk", [(1, 1), (16, 64), (20, 96), (64, 130)])
+def test_kernel_matches_reference(form, d_qk, h_q, topk):
+    q, kv, idx, kw = make_case(3, h_q, topk, d_qk=d_qk, form=form, s_kv=400, seed=h_q + topk + d_qk)
+    run_and_check(q, kv, idx, **kw)
+
+
+@needs_kernels
+@pytest.mark.parametrize("form", ["bf16", "fp8"])
+def test_h_q_128_topk_length_and_sink(form):
+    q, kv, idx, kw = make_case(2, 128, 150, form=form, s_kv=500, seed=3, topk_length=[150, 65], sink=True)
+    run_and_check(q, kv, idx, **kw)
+
+
+@needs_kernels
+@pytest.mark.parametrize("form", ["bf16", "fp8"])
+def test_corner_cases(form):
+    # all indices invalid (query 0), topk_length 0 (query 1), > topk and negative (queries 2, 3),
+    # sink +inf / -inf on heads 0 / 1, s_kv smaller than topk
+    q, kv, idx, kw = make_case(
+        5, 20, 96, form=form, s_kv=50, pbs=16, seed=4, topk_length=[96, 0, 1000, -3, 50], sink=True
+    )
+    idx[0] = -1
+    out, ml, lse = run_and_check(q, kv, idx, **kw)
+    for i in (0, 1, 3):  # lonely: out 0, lse +inf, max_logits -inf, whatever the sink
+        assert (out[i].float() == 0).all() and torch.isposinf(lse[i]).all() and torch.isneginf(ml[i]).all()
+    assert (out[2, 0].float() == 0).all() and torch.isfinite(lse[2]).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("form", ["bf16", "fp8"])
+def test_nan_in_unattended_rows_never_reaches_the_output(form):
+    q, kv, idx, kw = make_case(3, 16, 64, form=form, s_kv=256, seed=5, topk_length=[64, 10, 33])
+    n_rows = kv.shape[0] if form == "bf16" else kv.shape[0] * kv.shape[1]
+    used = torch.zeros(n_rows, dtype=torch.bool, device=DEVICE)
+    for i, n in enumerate(kw["topk_length"].tolist()):
+        r = idx[i, 0, :n].long()
+        used[r[(r >= 0) & (r < n_rows)]] = True
+    if form == "bf16":
+        kv[~used] = float("nan")
+    else:
+        raw = kv.view(torch.uint8).reshape(n_rows, 656)
+        raw[~used] = 0x7F  # e4m3 NaN bytes; the RoPE bf16 0x7F7F is NaN too
+        raw[:, 512:528].view(torch.float32)[~used] = float("nan")
+    # indices past topk_length point at NaN rows
+    for i, n in enumerate(kw["topk_length"].tolist()):
+        idx[i, 0, n:] = (~used).nonzero()[0, 0].int()
+    out, ml, lse = run_and_check(q, kv, idx, **kw)
+    assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all() and torch.isfinite(ml).all()
+
+
+@needs_kernels
+def test_fp8_cache_and_its_bf16_rows_agree():
+    # the FP8 form on a cache and the bf16 form on its dequantised rows attend the same keys
+    q, kc, idx, kw = make_case(4, 24, 100, d_qk=512, form="fp8", s_kv=320, pbs=32, seed=6, sink=True)
+    rows = flash_mla.dequantize_k_cache(cache_to(kc, "cpu"), "MODEL1").reshape(-1, 1, 512).to(DEVICE)
+    a = flash_mla.flash_mla_sparse_fwd(q, kc, idx, 0.07, **kw)
+    b = flash_mla.flash_mla_sparse_fwd(q, rows, idx, 0.07, **kw)
+    check_prefill_close(*a, *[t.float() for t in b])
+
+
+@needs_kernels
+@pytest.mark.parametrize("form", ["bf16", "fp8"])
+def test_views(form):
+    # strided q, a row-strided kv (or a pool view of the cache), transposed indices, expanded
+    # topk_length and a strided sink: views are valid tensors
+    s_q, h_q, topk = 3, 16, 70
+    q, kv, idx, kw = make_case(s_q, h_q, topk, form=form, s_kv=200, pbs=64, seed=7, sink=True)
+    big_q = torch.zeros(s_q, 2 * h_q, 640, dtype=torch.bfloat16, device=DEVICE)
+    big_q[:, ::2, :576] = q
+    qv = big_q[:, ::2, :576]
+    if form == "bf16":
+        big_kv = torch.zeros(kv.shape[0], 1, 700, dtype=torch.bfloat16, device=DEVICE)
+        big_kv[..., 3 : 3 + 576] = kv
+        kvv = big_kv[..., 3 : 3 + 576]
+    else:
+        nb = kv.shape[0]
+        pool = torch.zeros(nb + 2, *kv.shape[1:], dtype=kv.dtype, device=DEVICE)
+        pool[1 : nb + 1] = kv
+        kvv = pool[1 : nb + 1]
+    idx_t = idx.permute(2, 1, 0).contiguous().permute(2, 1, 0)
+    lens = torch.tensor([50], dtype=torch.int32, device=DEVICE).expand(s_q)
+    sink = torch.stack([kw["attn_sink"], kw["attn_sink"]], dim=1)[:, 0]
+    out, ml, lse = run_and_check(qv, kvv, idx_t, topk_length=lens, attn_sink=sink)
+    ref = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 576**-0.5, topk_length=lens.contiguous(), attn_sink=sink.clone())
+    assert torch.equal(out, ref[0]) and torch.equal(lse, ref[2]) and torch.equal(ml, ref[1])
+
+
+def test_auto_runs_the_kernel_where_triton_runs():
+    from sparse_mla.prefill import validate_sparse_prefill
+    from sparse_mla.prefill.run import resolve_prefill_backend
+
+    q, kv, idx, _ = make_case(1, 16, 8, seed=14)
+    assert resolve_prefill_backend(validate_sparse_prefill(q, kv, idx, 0.1)) == ("portable" if KERNELS else "reference")
+
+
+@needs_kernels
+def test_non_finite_queries():
+    q, kv, idx, kw = make_case(2, 16, 64, seed=8)
+    q[0, 3, 5] = float("nan")
+    q[1, 4, :] = float("inf")
+    out, ml, lse = run_and_check(q, kv, idx, finite=False, **kw)
+    assert torch.isnan(out[0, 3].float()).all() and torch.isnan(lse[0, 3]) and torch.isnan(ml[0, 3])
+    assert torch.isfinite(out[0, :3].float()).all() and torch.isfinite(out[1, :4].float()).all()
+
+
+# ------------------------------------------------------------------------------ the API
+
+
+def test_empty_and_reference_backend():
+    q, kv, idx, _ = make_case(0, 16, 8, seed=9)
+    out, ml, lse = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.1)
+    assert out.shape == (0, 16, 512) and ml.shape == lse.shape == (0, 16)
+    q, kv, idx, kw = make_case(2, 16, 40, seed=10, sink=True)
+    run_and_check(q, kv, idx, backend="reference", **kw)
+    with pytest.raises(ValueError, match="^backend: expected 'auto' or one of"):
+        flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.1, backend="fast")
+    with pytest.raises(TypeError, match="^backend"):
+        flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.1, backend=1)
+
+
+def _bad_calls():
+    q = torch.randn(2, 16, 576).to(torch.bfloat16)
+    kv = torch.randn(30, 1, 576).to(torch.bfloat16)
+    idx = torch.zeros(2, 1, 8, dtype=torch.int32)
+    _, kc = make_cache("V32", 2, 16, 0)
+    ok = dict(q=q, kv=kv, indices=idx, sm_scale=0.1)
+    yield "q: expected dtype", TypeError, dict(ok, q=q.float())
+    yield "q: expected a 3-D", ValueError, dict(ok, q=q[None])
+    yield "q: head dim", ValueError, dict(ok, q=q[..., :500])
+    yield r"q: h_q must be in \[1, 128\]", ValueError, dict(ok, q=torch.zeros(2, 129, 576, dtype=torch.bfloat16))
+    yield "q: the last dimension", ValueError, dict(ok, q=torch.zeros(2, 576, 16, dtype=torch.bfloat16).transpose(1, 2))
+    yield "kv: expected a torch.Tensor", TypeError, dict(ok, kv=[1])
+    yield "kv: expected bf16", TypeError, dict(ok, kv=kv.float())
+    yield r"kv: expected shape \[s_kv, 1, d_qk=576\]", ValueError, dict(ok, kv=kv.view(15, 2, 576))
+    yield r"kv: expected shape \[s_kv, 1, d_qk=576\]", ValueError, dict(ok, kv=kv[..., :512])
+    yield (
+        "kv: the last dimension",
+        ValueError,
+        dict(ok, kv=torch.zeros(576, 30, 1, dtype=torch.bfloat16).permute(1, 2, 0)),
+    )
+    yield "kv: expected shape", ValueError, dict(ok, q=q[..., :512], kv=kc)  # V32 cache for d_qk 512
+    yield "indices: expected dtype", TypeError, dict(ok, indices=idx.long())
+    yield r"indices: expected shape \[s_q=2, h_kv=1, topk\]", ValueError, dict(ok, indices=idx.view(1, 2, 8))
+    yield "indices: topk must be", ValueError, dict(ok, indices=idx[..., :0])
+    yield "sm_scale: expected a float", TypeError, dict(ok, sm_scale="0.1")
+    yield "sm_scale: expected a finite positive", ValueError, dict(ok, sm_scale=float("nan"))
+    yield "sm_scale: expected a finite positive", ValueError, dict(ok, sm_scale=0.0)
+    yield "d_v: expected 512", ValueError, dict(ok, d_v=576)
+    yield "attn_sink: expected dtype", TypeError, dict(ok, attn_sink=torch.zeros(16, dtype=torch.float64))
+    yield r"attn_sink: expected shape \[h_q=16\]", ValueError, dict(ok, attn_sink=torch.zeros(15))
+    yield "topk_length: expected dtype", TypeError, dict(ok, topk_length=torch.zeros(2))
+    yield r"topk_length: expected shape \[s_q=2\]", ValueError, dict(ok, topk_length=torch.zeros(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("match, exc, kwargs", list(_bad_calls()), ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_arguments_raise_naming_them(match, exc, kwargs):
+    with pytest.raises(exc, match="^" + match):
+        flash_mla.flash_mla_sparse_fwd(**kwargs)
+
+
+# ------------------------------------------------------------------------------ the operator
+
+
+@pytest.mark.parametrize("form", ["bf16", "fp8"])
+def test_operator_opcheck(form):
+    q, kv, idx, kw = make_case(2, 16, 40, form=form, s_kv=100, seed=11, topk_length=[40, 9], sink=True)
+    if form == "fp8":  # as raw bytes: opcheck's schema check compares inputs with ops fp8 lacks on the CPU
+        kv = kv.view(torch.uint8)
+    res = torch.library.opcheck(torch.ops.sparse_mla.sparse_prefill.default, (q, kv, idx, 0.05), dict(kw, d_v=512))
+    assert all(v == "SUCCESS" for v in res.values()), res
+
+
+def test_torch_compile_fullgraph():
+    q, kv, idx, kw = make_case(2, 16, 40, seed=12, sink=True)
+
+    def f(q, kv, idx, sink):
+        out, ml, lse = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05, attn_sink=sink)
+        return out.float() * 2, lse
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, kv, idx, kw["attn_sink"])
+    want = f(q, kv, idx, kw["attn_sink"])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    q, kv, idx, kw = make_case(8, 64, 256, form="fp8", s_kv=2048, seed=13, topk_length=list(range(1, 257, 32)))
+    want = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05, **kw)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05, **kw)
+    q.copy_(q.flip(0))
+    g.replay()
+    torch.cuda.synchronize()
+    again = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05, **kw)
+    for a, b in zip(got, again, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(got[2], want[2])
