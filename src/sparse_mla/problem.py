@@ -123,15 +123,20 @@ def _check_flags(lay: KVCacheLayout, head_dim_v: Any, is_fp8_kvcache: Any, causa
         raise ValueError("causal: must be False for the sparse decode (the top-k indices already select the keys)")
 
 
+def check_scale(value: Any, name: str, expected: str = "a float") -> float:
+    """A finite positive real number (not a bool) as a float, else ``TypeError``/``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__}")
+    v = float(value)
+    if not (0 < v < float("inf")):
+        raise ValueError(f"{name}: expected a finite positive float, got {value!r}")
+    return v
+
+
 def _sm_scale(softmax_scale: Any, d_qk: int) -> float:
     if softmax_scale is None:
         return d_qk**-0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
-    sm_scale = float(softmax_scale)
-    if not (0 < sm_scale < float("inf")):
-        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale!r}")
-    return sm_scale
+    return check_scale(softmax_scale, "softmax_scale", "a float or None")
 
 
 def _check_cache(kc: Any, name: str, lay: KVCacheLayout, dev: torch.device) -> None:

@@ -482,6 +482,20 @@ def _cache_args(kc: torch.Tensor, is_v32: bool) -> tuple[tuple, int]:
     return (raw, raw.stride(0), raw.stride(1), nb * pbs, pbs, pbs.bit_length() - 1 if pow2 else 0), addr
 
 
+def gather_consts(lay) -> dict:
+    """The constexprs of :func:`_load_block_keys` that a cache layout fixes."""
+    return dict(D_NOPE=lay.d_nope, TILE=lay.tile, MAIN_TILES=512 // lay.tile, NUM_TILES=lay.num_tiles)
+
+
+def dot_consts(interp: bool) -> dict:
+    """Dot operand dtype and precision, and the loop form: the interpreter's bf16 dot is wrong
+    (docs/design.md, environment), so there fp32 operands with exact (ieee) products and a while
+    loop (its range() cannot take loaded bounds with NumPy >= 2.4)."""
+    return dict(
+        DOT_DTYPE=tl.float32 if interp else tl.bfloat16, DOT_PREC="ieee" if interp else None, FOR_LOOP=not interp
+    )
+
+
 def _sel_args(indices: torch.Tensor, lengths: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
     return (indices, *indices.stride(), indices.shape[2], lengths if lengths is not None else dummy)
 
@@ -546,11 +560,8 @@ def launch(
         EXTRA_ADDR=extra_addr,
         IS_V32=is_v32,
         D_MAIN=512,
-        D_NOPE=lay.d_nope,
         D_TAIL=64,
-        TILE=lay.tile,
-        MAIN_TILES=512 // lay.tile,
-        NUM_TILES=lay.num_tiles,
+        **gather_consts(lay),
         BLOCK_H=block_h,
         BLOCK_N=config.block_n,
         SCHED_BLOCK=TOPK_BLOCK_SIZE,
@@ -558,11 +569,7 @@ def launch(
         HAS_EXTRA=has_extra,
         HAS_EXTRA_LEN=p.extra_topk_length is not None,
         HAS_SINK=p.attn_sink is not None,
-        # the interpreter's bf16 dot is wrong (docs/design.md, environment): fp32 operands, exact
-        # (ieee) products there
-        DOT_DTYPE=tl.float32 if interp else tl.bfloat16,
-        DOT_PREC="ieee" if interp else None,
-        FOR_LOOP=not interp,
+        **dot_consts(interp),
     )
     launch_fitting(
         _sparse_decode_kernel,

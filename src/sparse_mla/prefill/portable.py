@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..decode.combine import final_out_lse
 from ..decode.launcher import launch_fitting
-from ..decode.portable import ADDR_GENERAL, _cache_args, _load_block_keys
+from ..decode.portable import ADDR_GENERAL, _cache_args, _load_block_keys, dot_consts, gather_consts
 from ..runtime import LOG2E, interpreting, require_runnable
 from ..scheduler import small_head_tile
 from .problem import PrefillProblem
@@ -243,18 +243,12 @@ def launch(
         KV_FP8=p.kv_fp8,
         ADDR=addr,
         IS_V32=is_v32,
-        D_NOPE=lay.d_nope,
-        TILE=lay.tile,
-        MAIN_TILES=512 // lay.tile,
-        NUM_TILES=lay.num_tiles,
+        **gather_consts(lay),
         BLOCK_H=block_h,
         BLOCK_N=BLOCK_N,
         HAS_TOPK_LEN=p.topk_length is not None,
         HAS_SINK=p.attn_sink is not None,
-        # the interpreter's bf16 dot is wrong (docs/design.md): fp32 operands, exact products there
-        DOT_DTYPE=tl.float32 if interp else tl.bfloat16,
-        DOT_PREC="ieee" if interp else None,
-        FOR_LOOP=not interp,
+        **dot_consts(interp),
     )
     grid = (s_q, triton.cdiv(h_q, block_h), 1)
     launch_fitting(_sparse_prefill_kernel, grid, args, consts, num_warps, num_stages, (dev, tuple(consts.items())))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..formats import KVCacheLayout, get_layout
-from ..problem import MAX_H_Q, _check_cache, _check_vector, check_tensor
+from ..problem import MAX_H_Q, _check_cache, _check_vector, check_scale, check_tensor
 
 __all__ = ["PrefillProblem", "validate_sparse_prefill", "FP8_CACHE_DTYPES"]
 
@@ -100,15 +100,6 @@ def _check_kv(kv: Any, lay: KVCacheLayout, dev: torch.device) -> bool:
     return False
 
 
-def _check_sm_scale(sm_scale: Any) -> float:
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
-        raise TypeError(f"sm_scale: expected a float, got {type(sm_scale).__name__}")
-    v = float(sm_scale)
-    if not (0 < v < float("inf")):
-        raise ValueError(f"sm_scale: expected a finite positive float, got {sm_scale!r}")
-    return v
-
-
 def validate_sparse_prefill(
     q: Any,
     kv: Any,
@@ -135,7 +126,7 @@ def validate_sparse_prefill(
         raise ValueError(f"indices: expected shape [s_q={s_q}, h_kv=1, topk], got {list(indices.shape)}")
     if indices.shape[2] < 1:
         raise ValueError(f"indices: topk must be >= 1, got {indices.shape[2]}")
-    scale = _check_sm_scale(sm_scale)
+    scale = check_scale(sm_scale, "sm_scale")
     if isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral) or d_v != lay.d_v:
         raise ValueError(f"d_v: expected {lay.d_v}, got {d_v!r}")
     attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
