@@ -22,6 +22,15 @@ from .api import (
     get_mla_metadata,
 )
 from .formats import MODEL1, V32, KVCacheLayout, dequantize_k_cache, get_layout, quantize_k_cache
+from .indexer import (
+    dequantize_indexer_cache,
+    fp8_mqa_logits,
+    fp8_paged_mqa_logits,
+    get_paged_mqa_logits_metadata,
+    indexer_k_quant_and_cache,
+    topk_indices,
+    topk_kvcache_indices,
+)
 from .serving.reference import abs_indices_to_kvcache_indices
 
 __version__ = "0.1.0"
@@ -39,6 +48,13 @@ __all__ = [
     "quantize_k_cache",
     "dequantize_k_cache",
     "abs_indices_to_kvcache_indices",
+    "indexer_k_quant_and_cache",
+    "dequantize_indexer_cache",
+    "fp8_mqa_logits",
+    "get_paged_mqa_logits_metadata",
+    "fp8_paged_mqa_logits",
+    "topk_indices",
+    "topk_kvcache_indices",
     "quantize_and_store_kv",
     "abs_indices_to_kvcache_indices_triton",
 ]

@@ -1,0 +1,63 @@
+"""Argument checks of the indexer operations (pure PyTorch; no Triton): errors name the argument."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["HEAD_DIMS", "check_index_cache", "check_tensor_arg", "index_cache_geometry"]
+
+#: head dims the indexer kernels take (powers of two; DeepSeek-V3.2 uses 128)
+HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def check_tensor_arg(x: Any, name: str, dtypes: tuple, dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """``x`` is a tensor of one of ``dtypes`` with ``dim`` dimensions (on ``device``), else
+    ``TypeError``/``ValueError`` naming ``name``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {x.dtype}")
+    if x.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {list(x.shape)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {x.device}")
+    return x
+
+
+def check_index_cache(kv_cache: Any, head_dim: int | None = None, name: str = "kv_cache") -> int:
+    """Check an indexer key cache ``[num_blocks, block_size, 1, head_dim + 4]`` uint8 (block-major:
+    a block's ``block_size * head_dim`` e4m3 bytes, then its ``block_size`` fp32 scales); returns
+    ``head_dim``. The block stride may exceed ``block_size * (head_dim + 4)`` (a pool view) but must
+    keep the scales 4-byte aligned; tokens inside a block are packed."""
+    check_tensor_arg(kv_cache, name, (torch.uint8,), 4)
+    nb, bs, h_kv, last = kv_cache.shape
+    d = last - 4
+    if h_kv != 1:
+        raise ValueError(
+            f"{name}: expected shape [num_blocks, block_size, 1, head_dim + 4], got {list(kv_cache.shape)}"
+        )
+    if d not in HEAD_DIMS or (head_dim is not None and d != head_dim):
+        want = f"{head_dim} + 4" if head_dim is not None else f"head_dim + 4 with head_dim in {HEAD_DIMS}"
+        raise ValueError(f"{name}: last dim must be {want}, got {last}")
+    if bs < 1 or nb < 1:
+        raise ValueError(f"{name}: needs at least one block of at least one token, got {list(kv_cache.shape)}")
+    if kv_cache.stride(3) != 1 or (bs > 1 and kv_cache.stride(1) != last):
+        raise ValueError(
+            f"{name}: tokens must be packed inside a block (strides [*, {last}, *, 1]), got {list(kv_cache.stride())}"
+        )
+    if nb > 1 and kv_cache.stride(0) < bs * last:
+        raise ValueError(f"{name}: block stride {kv_cache.stride(0)} < the {bs * last} bytes of one block")
+    if (nb > 1 and kv_cache.stride(0) % 4) or kv_cache.data_ptr() % 4:
+        raise ValueError(f"{name}: blocks must start 4-byte aligned (the fp32 scales), got stride {kv_cache.stride(0)}")
+    end = kv_cache.storage_offset() + (nb - 1) * kv_cache.stride(0) + bs * last
+    if end > kv_cache.untyped_storage().nbytes():
+        raise ValueError(f"{name}: the storage ends before the last block's bytes")
+    return d
+
+
+def index_cache_geometry(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(num_blocks, block_size, head_dim, block_stride)`` of a checked indexer cache."""
+    nb, bs, _, last = kv_cache.shape
+    return int(nb), int(bs), int(last) - 4, int(kv_cache.stride(0)) if nb > 1 else int(bs * last)

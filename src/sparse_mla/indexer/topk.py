@@ -1,0 +1,120 @@
+"""Top-k of indexer logits, and the fused variant that returns the decode's cache indices.
+
+Ranking rule (exact, deterministic): larger logit first; equal logits by smaller position; NaN
+after ``-inf``; ``-0.0`` equals ``+0.0``. Only positions in a row's ``[row_starts[r], row_ends[r])``
+(default the whole row) are candidates; a row with fewer than ``k`` candidates gets ``-1`` in its
+last entries. Implementation: each logit becomes one int64 key (the float's order-preserving bits
+above the inverted position), so one ``torch.topk`` over distinct keys gives the exact set in
+rank order, with no tie ambiguity (no host synchronisation; CUDA-graph safe). Twin:
+:func:`sparse_mla.indexer.reference.topk_indices_reference`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+
+from ..serving.reference import abs_indices_to_kvcache_indices
+from .checks import check_tensor_arg
+
+__all__ = ["topk_indices", "topk_kvcache_indices", "rank_keys"]
+
+_LOW = (1 << 32) - 1
+
+
+def rank_keys(logits: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``[rows, n]`` int64 keys ordering a row's candidates by the ranking rule (larger first);
+    positions outside ``[lo[r], hi[r])`` get the smallest int64."""
+    rows, n = logits.shape
+    v = logits.float() + 0.0  # -0.0 -> +0.0
+    bits = v.view(torch.int32)
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+    neg_inf_key = (torch.tensor(float("-inf")).view(torch.int32) ^ 0x7FFFFFFF).long().item()
+    key = torch.where(torch.isnan(v), torch.full_like(key, neg_inf_key - 1), key)
+    pos = torch.arange(n, device=logits.device, dtype=torch.int64)
+    comp = key * (1 << 32) + (_LOW - pos)
+    inside = (pos.view(1, -1) >= lo.view(-1, 1)) & (pos.view(1, -1) < hi.view(-1, 1))
+    return torch.where(inside, comp, torch.full_like(comp, torch.iinfo(torch.int64).min))
+
+
+def _check_range(x: Any, name: str, rows: int, dev: torch.device) -> torch.Tensor | None:
+    if x is None:
+        return None
+    check_tensor_arg(x, name, (torch.int32, torch.int64), 1, dev)
+    if x.shape[0] != rows:
+        raise ValueError(f"{name}: expected shape [rows={rows}], got {list(x.shape)}")
+    return x.long()
+
+
+def topk_indices(
+    logits: torch.Tensor, k: int, row_starts: torch.Tensor | None = None, row_ends: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The ``k`` best positions of each row of ``logits`` (module doc for the ranking rule).
+
+    Args:
+        logits: ``[rows, n]`` fp32 (fp16/bf16 accepted).
+        k: positions per row (>= 1; may exceed ``n``).
+        row_starts, row_ends: optional ``[rows]`` int32/int64: row ``r``'s candidates are
+            positions ``row_starts[r] <= j < row_ends[r]`` (clamped to ``[0, n]``).
+
+    Returns:
+        ``[rows, k]`` int32 positions in rank order, ``-1`` past a row's number of candidates.
+
+    Raises:
+        TypeError / ValueError: an argument of the wrong type, dtype, shape or device.
+    """
+    check_tensor_arg(logits, "logits", (torch.float32, torch.float16, torch.bfloat16), 2)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"k: expected an int >= 1, got {k!r}")
+    rows, n = logits.shape
+    dev = logits.device
+    lo = _check_range(row_starts, "row_starts", rows, dev)
+    hi = _check_range(row_ends, "row_ends", rows, dev)
+    lo = torch.zeros(rows, dtype=torch.int64, device=dev) if lo is None else lo.clamp(0, n)
+    hi = torch.full((rows,), n, dtype=torch.int64, device=dev) if hi is None else hi.clamp(0, n)
+    out = torch.full((rows, k), -1, dtype=torch.int32, device=dev)
+    kk = min(int(k), n)
+    if rows == 0 or kk == 0:
+        return out
+    keys = rank_keys(logits, lo, hi)
+    top = torch.topk(keys, kk, dim=1, largest=True, sorted=True).values
+    pos = (_LOW - (top & _LOW)).to(torch.int32)
+    count = (hi - lo).clamp(min=0).view(-1, 1)
+    rank = torch.arange(kk, device=dev).view(1, -1)
+    out[:, :kk] = torch.where(rank < count, pos, torch.full_like(pos, -1))
+    return out
+
+
+def topk_kvcache_indices(
+    logits: torch.Tensor,
+    k: int,
+    block_table: torch.Tensor,
+    page_block_size: int,
+    next_n: int = 1,
+    row_starts: torch.Tensor | None = None,
+    row_ends: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`topk_indices` turned into the decode's ``indices``: cache slots through the block table.
+
+    Args:
+        logits: ``[b * next_n, n]`` (the rows of :func:`~sparse_mla.indexer.fp8_paged_mqa_logits`).
+        k: top-k (the decode's ``topk``).
+        block_table: ``[b, max_blocks]`` int32 of the attention cache.
+        page_block_size: its page size.
+        next_n: query tokens per request (the decode's ``s_q``).
+        row_starts, row_ends: as :func:`topk_indices` (for a decode step ``row_ends[i * next_n + p] =
+            context_lens[i] - next_n + p + 1``).
+
+    Returns:
+        ``[b, next_n, k]`` int32 ``block * page_block_size + offset`` (``-1`` for no key), ready as
+        ``flash_mla_with_kvcache(..., indices=...)``.
+    """
+    if isinstance(next_n, bool) or not isinstance(next_n, numbers.Integral) or next_n < 1:
+        raise ValueError(f"next_n: expected an int >= 1, got {next_n!r}")
+    pos = topk_indices(logits, k, row_starts, row_ends)
+    rows = pos.shape[0]
+    if rows % next_n:
+        raise ValueError(f"logits: rows ({rows}) must be b * next_n with next_n={next_n}")
+    return abs_indices_to_kvcache_indices(pos.view(rows // next_n, next_n, -1), block_table, page_block_size)

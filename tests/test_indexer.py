@@ -1,0 +1,330 @@
+"""The DSA lightning indexer: the key cache write (byte-identical to its twin), prefill and paged
+logits (kernels vs twins, twins vs the definition), the top-k and its tie rule, the slot ids it
+hands to the sparse decode, and argument validation. Kernels run compiled on CUDA and under
+Triton's interpreter on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import check_decode_close, triton_interpret_enabled
+
+import sparse_mla as flash_mla
+from sparse_mla.indexer.reference import (
+    dequantize_indexer_cache,
+    fp8_mqa_logits_reference,
+    fp8_paged_mqa_logits_reference,
+    indexer_k_quant_and_cache_reference,
+    topk_indices_reference,
+)
+from sparse_mla.reference import sparse_decode_reference
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+KERNELS = ON_GPU or triton_interpret_enabled()
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def empty_cache(num_blocks, block_size, d, fill=0xAB):
+    return torch.full((num_blocks, block_size, 1, d + 4), fill, dtype=torch.uint8, device=DEVICE)
+
+
+def random_keys(n, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, d, generator=g) * 10.0 ** (torch.rand(n, 1, generator=g) * 6 - 4)  # 1e-4 .. 1e2
+    k[0] = 0.0  # amax below the 1e-4 floor
+    k[1, 0] = 448.0 * 2.0**-3  # amax / 448 exactly a power of two
+    return k.to(torch.bfloat16).to(DEVICE)
+
+
+def fill_cache(num_blocks, block_size, d, seed, scale_fmt="ue8m0"):
+    """A cache with every slot written (random keys, shuffled slots): (cache, keys in slot order)."""
+    n = num_blocks * block_size
+    k = random_keys(n, d, seed)
+    cache = empty_cache(num_blocks, block_size, d)
+    flash_mla.indexer_k_quant_and_cache(k, cache, torch.arange(n, device=DEVICE), scale_fmt)
+    return cache, k
+
+
+def random_q(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 2).to(torch.float8_e4m3fn).to(DEVICE)
+
+
+# ------------------------------------------------------------------------------ the key cache
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", None])
+@pytest.mark.parametrize("d, block_size", [(128, 64), (64, 16), (32, 7)])
+def test_quant_and_cache_matches_twin_bytes(scale_fmt, d, block_size):
+    n, nb = 40, 9
+    k = random_keys(n, d, seed=d + block_size)
+    slots = torch.randperm(nb * block_size)[:n].to(DEVICE)
+    slots[3] = -1  # padding: skipped
+    slots[5] = nb * block_size + 2  # out of range: skipped
+    a, b = empty_cache(nb, block_size, d), empty_cache(nb, block_size, d)
+    flash_mla.indexer_k_quant_and_cache(k, a, slots, scale_fmt)
+    indexer_k_quant_and_cache_reference(k, b, slots, scale_fmt)
+    assert torch.equal(a, b)
+    # the definition: power-of-two (or amax/448) scales, values within e4m3's rounding of k
+    keys, scales = dequantize_indexer_cache(a)
+    ok = (slots >= 0) & (slots < nb * block_size)
+    got = keys[slots[ok]] * scales[slots[ok]].unsqueeze(1)
+    want = k[ok].float()
+    amax = want.abs().amax(1).clamp(min=1e-4)
+    if scale_fmt == "ue8m0":
+        s = scales[slots[ok]]
+        assert torch.equal(torch.frexp(s)[0], torch.full_like(s, 0.5))  # powers of two
+        assert ((s >= amax / 448) & (s < 2 * amax / 448)).all()
+    assert ((got - want).abs() <= want.abs() / 16 + amax.unsqueeze(1) / 448 * 2.0**-9 * 1.01).all()
+    # slots not written keep their bytes
+    written = torch.zeros(nb * block_size, dtype=torch.bool, device=DEVICE)
+    written[slots[ok]] = True
+    data = a.reshape(nb, -1)[:, : block_size * d].reshape(nb * block_size, d)
+    assert (data[~written] == 0xAB).all() and (data[written] != 0xAB).any()
+
+
+def test_skipped_slots_are_untouched():
+    nb, bs, d = 3, 4, 32
+    cache = empty_cache(nb, bs, d)
+    before = cache.clone()
+    k = random_keys(3, d, seed=1)
+    flash_mla.indexer_k_quant_and_cache(k, cache, torch.tensor([-1, 12, 1 << 40], device=DEVICE))
+    assert torch.equal(cache, before)
+    flash_mla.indexer_k_quant_and_cache(k, cache, torch.tensor([-1, 5, -7], device=DEVICE))
+    changed = (cache != before).reshape(nb, -1)
+    data_bytes = changed[:, : bs * d].reshape(nb, bs, d).any(-1)
+    scale_bytes = changed[:, bs * d :].reshape(nb, bs, 4).any(-1)
+    assert data_bytes.nonzero().tolist() == [[1, 1]] and scale_bytes.nonzero().tolist() == [[1, 1]]
+
+
+# ------------------------------------------------------------------------------ logits
+
+
+def test_references_match_the_definition():
+    # one query head and key at a time, in float64
+    d, h = 32, 3
+    cache, _ = fill_cache(4, 8, d, seed=2)
+    keys, scales = dequantize_indexer_cache(cache)
+    q = random_q((2, 2, h, d), seed=3)
+    w = torch.randn(4, h, device=DEVICE)
+    ctx = torch.tensor([13, 1], dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32, device=DEVICE)
+    got = fp8_paged_mqa_logits_reference(q, cache, w, ctx, table, 16)
+    for i in range(2):
+        for p in range(2):
+            for j in range(16):
+                visible = j < ctx[i] and j <= ctx[i] - 2 + p
+                if not visible:
+                    assert got[i * 2 + p, j] == float("-inf")
+                    continue
+                slot = int(table[i, j // 8]) * 8 + j % 8
+                want = sum(
+                    float(w[i * 2 + p, hh])
+                    * max(float(q[i, p, hh].double() @ keys[slot].double()) * float(scales[slot]), 0.0)
+                    for hh in range(h)
+                )
+                assert abs(float(got[i * 2 + p, j]) - want) <= 1e-5 * (1 + abs(want))
+    # the prefill logits on the same keys laid out contiguously agree
+    flat = torch.stack([keys[int(table[0, j // 8]) * 8 + j % 8] for j in range(16)]).to(torch.float8_e4m3fn)
+    fs = torch.stack([scales[int(table[0, j // 8]) * 8 + j % 8] for j in range(16)])
+    ks = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([12, 13], dtype=torch.int32, device=DEVICE)
+    pre = fp8_mqa_logits_reference(q[0], flat, fs, w[:2], ks, ke)
+    torch.testing.assert_close(pre, got[:2], rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("h, d", [(1, 32), (16, 64), (64, 128), (20, 16)])
+def test_mqa_logits_kernel_matches_twin(h, d):
+    s_q, s_kv = 9, 150
+    q = random_q((s_q, h, d), seed=h)
+    kv = random_q((s_kv, d), seed=d)
+    sc = torch.rand(s_kv, device=DEVICE) + 0.1
+    w = torch.randn(s_q, h, device=DEVICE)
+    ks = torch.tensor([0, 5, 100, 30, 149, 0, 60, 64, 10], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([150, 70, 100, 31, 150, 0, 129, 128, 11], dtype=torch.int32, device=DEVICE)  # empty rows 2, 5
+    got = flash_mla.fp8_mqa_logits(q, (kv, sc), w, ks, ke)
+    want = fp8_mqa_logits_reference(q, kv, sc, w, ks, ke)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.isneginf(got[2]).all() and torch.isneginf(got[5]).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("next_n, h, d, block_size", [(1, 64, 128, 64), (2, 16, 64, 16), (3, 5, 32, 7)])
+def test_paged_logits_kernel_matches_twin(next_n, h, d, block_size):
+    b, nb = 4, 40
+    cache, _ = fill_cache(nb, block_size, d, seed=next_n + h)
+    q = random_q((b, next_n, h, d), seed=5)
+    w = torch.randn(b * next_n, h, device=DEVICE)
+    ctx = torch.tensor([0, next_n - 1, 5 * block_size + 3, 9 * block_size], dtype=torch.int32, device=DEVICE)
+    table = torch.randint(0, nb, (b, 12), dtype=torch.int32, device=DEVICE)
+    table[2, 7:] = -5  # garbage past the context
+    table[3, 2] = nb + 7  # an invalid block inside the context: its keys are -inf, never read
+    meta = flash_mla.get_paged_mqa_logits_metadata(ctx.cpu(), block_size, 132)
+    max_len = 10 * block_size + 5
+    got = flash_mla.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_len)
+    want = fp8_paged_mqa_logits_reference(q, cache, w, ctx, table, max_len)
+    assert got.shape == (b * next_n, max_len)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.isneginf(got[:next_n]).all()  # empty context
+    assert torch.isneginf(got[3 * next_n :, 2 * block_size : 3 * block_size]).all()
+
+
+@needs_kernels
+def test_nan_in_unused_cache_slots_never_reaches_the_logits():
+    nb, bs, d = 8, 16, 64
+    cache, _ = fill_cache(nb, bs, d, seed=7)
+    table = torch.tensor([[3, 5, 1]], dtype=torch.int32, device=DEVICE)
+    for blk in set(range(nb)) - {3, 5, 1}:
+        cache[blk] = 0x7F  # e4m3 NaN bytes and NaN scales
+    q = random_q((1, 2, 8, d), seed=8)
+    w = torch.randn(2, 8, device=DEVICE)
+    ctx = torch.tensor([40], dtype=torch.int32, device=DEVICE)
+    got = flash_mla.fp8_paged_mqa_logits(
+        q, cache, w, ctx, table, flash_mla.get_paged_mqa_logits_metadata(ctx, bs, 1), 64
+    )
+    assert not torch.isnan(got).any() and torch.isfinite(got[:, :39]).all() and torch.isneginf(got[:, 41:]).all()
+
+
+# ------------------------------------------------------------------------------ top-k
+
+
+@pytest.mark.parametrize("k", [1, 5, 64, 300])
+def test_topk_matches_twin_and_tie_rule(k):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(6, 200, generator=g).round(decimals=1)  # many ties
+    x[0, 10:20] = float("nan")
+    x[1, :] = float("-inf")
+    x[2, 50] = -0.0
+    x[2, 40] = 0.0
+    lo = torch.tensor([0, 0, 30, 150, 199, 0])
+    hi = torch.tensor([200, 120, 60, 150, 400, 3])
+    got = flash_mla.topk_indices(x.to(DEVICE), k, lo.to(DEVICE), hi.to(DEVICE))
+    assert torch.equal(got.cpu(), topk_indices_reference(x, k, lo, hi).cpu())
+    if k >= 5:
+        assert (got[3] == -1).all() and got[4, 0] == 199 and (got[4, 1:] == -1).all()
+        assert got[5, :3].tolist() == sorted(range(3), key=lambda j: (-float(x[5, j]), j))
+
+
+def test_topk_kvcache_indices_are_decode_indices():
+    b, next_n, pbs = 2, 2, 4
+    logits = torch.randn(b * next_n, 12, device=DEVICE)
+    table = torch.tensor([[7, 2, 9], [4, 0, 5]], dtype=torch.int32, device=DEVICE)
+    ends = torch.tensor([10, 11, 3, 4], device=DEVICE)
+    got = flash_mla.topk_kvcache_indices(logits, 6, table, pbs, next_n, row_ends=ends)
+    pos = flash_mla.topk_indices(logits, 6, row_ends=ends).view(b, next_n, 6)
+    assert got.shape == (b, next_n, 6) and got.dtype == torch.int32
+    for i in range(b):
+        for p in range(next_n):
+            for c in range(6):
+                j = int(pos[i, p, c])
+                assert int(got[i, p, c]) == (-1 if j < 0 else int(table[i, j // pbs]) * pbs + j % pbs)
+
+
+# ------------------------------------------------------------------------------ one decode step
+
+
+@needs_kernels
+def test_one_decode_step_end_to_end():
+    # indexer cache write -> paged logits -> top-k -> slot ids -> sparse decode, against the twins
+    b, next_n, h_idx, d_idx, pbs, topk, h_q = 2, 2, 8, 64, 16, 32, 16
+    ctx_len = [70, 45]
+    nb = 16
+    table = torch.randperm(nb)[: 2 * 5].view(2, 5).int().to(DEVICE)
+    g = torch.Generator().manual_seed(11)
+    # the indexer keys and the attention latents of every context token, written through the block table
+    slots = torch.cat(
+        [
+            table[i].repeat_interleave(pbs)[: ctx_len[i]].long() * pbs + torch.arange(ctx_len[i], device=DEVICE) % pbs
+            for i in range(b)
+        ]
+    )
+    idx_cache = empty_cache(nb, pbs, d_idx)
+    flash_mla.indexer_k_quant_and_cache(random_keys(len(slots), d_idx, 12), idx_cache, slots)
+    k_cache = flash_mla.quantize_k_cache(torch.randn(nb, pbs, 1, 576, generator=g).to(torch.bfloat16).to(DEVICE), "V32")
+    q_idx = random_q((b, next_n, h_idx, d_idx), seed=13)
+    w = torch.rand(b * next_n, h_idx, device=DEVICE)
+    ctx = torch.tensor(ctx_len, dtype=torch.int32, device=DEVICE)
+    logits = flash_mla.fp8_paged_mqa_logits(
+        q_idx, idx_cache, w, ctx, table, flash_mla.get_paged_mqa_logits_metadata(ctx, pbs, 132), 80
+    )
+    ends = ctx.repeat_interleave(next_n) - next_n + torch.arange(next_n, device=DEVICE).repeat(b) + 1
+    indices = flash_mla.topk_kvcache_indices(logits, topk, table, pbs, next_n, row_ends=ends)
+    # the same chain through the twins
+    ref_logits = fp8_paged_mqa_logits_reference(q_idx, idx_cache, w, ctx, table, 80)
+    ref_pos = topk_indices_reference(ref_logits.cpu(), topk, None, ends.cpu()).view(b, next_n, topk)
+    assert torch.equal(flash_mla.topk_indices(logits, topk, row_ends=ends).cpu().view(b, next_n, topk), ref_pos)
+    q = torch.randn(b, next_n, h_q, 576, generator=g).to(torch.bfloat16).to(DEVICE)
+    meta, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=indices)
+    ro, rl = sparse_decode_reference(q, k_cache, indices, None, 512)
+    check_decode_close(out, lse, ro, rl)
+
+
+# ------------------------------------------------------------------------------ validation
+
+
+def _bad_calls():
+    cache = torch.zeros(4, 16, 1, 132, dtype=torch.uint8)
+    k = torch.zeros(3, 128, dtype=torch.bfloat16)
+    slots = torch.zeros(3, dtype=torch.int64)
+    store = flash_mla.indexer_k_quant_and_cache
+    yield "kv_cache: expected dtype", TypeError, store, (k, cache.float(), slots)
+    yield "kv_cache: last dim must be", ValueError, store, (k, torch.zeros(4, 16, 1, 100, dtype=torch.uint8), slots)
+    yield "kv_cache: expected shape", ValueError, store, (k, torch.zeros(4, 8, 2, 132, dtype=torch.uint8), slots)
+    yield "k: expected shape", ValueError, store, (k[:, :64], cache, slots)
+    yield "k: expected dtype", TypeError, store, (k.to(torch.int32), cache, slots)
+    yield "slot_mapping: expected shape", ValueError, store, (k, cache, slots[:2])
+    yield "slot_mapping: expected dtype", TypeError, store, (k, cache, slots.float())
+    yield "scale_fmt: expected", ValueError, store, (k, cache, slots, "e8m0")
+    q = torch.zeros(2, 4, 128).to(torch.float8_e4m3fn)
+    kv = (torch.zeros(10, 128).to(torch.float8_e4m3fn), torch.ones(10))
+    w = torch.ones(2, 4)
+    r = torch.zeros(2, dtype=torch.int32)
+    mqa = flash_mla.fp8_mqa_logits
+    yield "q: expected dtype", TypeError, mqa, (q.float(), kv, w, r, r)
+    yield "q: head_dim must be", ValueError, mqa, (q[..., :100], kv, w, r, r)
+    yield "kv: expected a tuple", TypeError, mqa, (q, kv[0], w, r, r)
+    yield r"kv\[0\]: expected shape", ValueError, mqa, (q, (kv[0][:, :64], kv[1]), w, r, r)
+    yield r"kv\[1\]: expected shape", ValueError, mqa, (q, (kv[0], kv[1][:9]), w, r, r)
+    yield "weights: expected shape", ValueError, mqa, (q, kv, w[:, :3], r, r)
+    yield "cu_seqlen_ke: expected dtype", TypeError, mqa, (q, kv, w, r, r.long())
+    qp = torch.zeros(2, 2, 4, 128).to(torch.float8_e4m3fn)
+    ctx = torch.ones(2, dtype=torch.int32)
+    bt = torch.zeros(2, 3, dtype=torch.int32)
+    meta = flash_mla.get_paged_mqa_logits_metadata(ctx, 16, 132)
+    paged = flash_mla.fp8_paged_mqa_logits
+    yield (
+        "kv_cache: last dim must be 128 \\+ 4",
+        ValueError,
+        paged,
+        (qp, torch.zeros(4, 16, 1, 68, dtype=torch.uint8), torch.ones(4, 4), ctx, bt, meta, 32),
+    )
+    yield "weights: expected shape", ValueError, paged, (qp, cache, torch.ones(2, 4), ctx, bt, meta, 32)
+    yield "context_lens: expected shape", ValueError, paged, (qp, cache, torch.ones(4, 4), ctx[:1], bt, meta, 32)
+    yield "block_table: expected shape", ValueError, paged, (qp, cache, torch.ones(4, 4), ctx, bt[:1], meta, 32)
+    yield (
+        "schedule_meta: made for block_size 8",
+        ValueError,
+        paged,
+        (qp, cache, torch.ones(4, 4), ctx, bt, flash_mla.get_paged_mqa_logits_metadata(ctx, 8, 1), 32),
+    )
+    yield "max_context_len: expected an int", ValueError, paged, (qp, cache, torch.ones(4, 4), ctx, bt, meta, -1)
+    yield "k: expected an int >= 1", ValueError, flash_mla.topk_indices, (torch.zeros(2, 5), 0)
+    yield "logits: expected dtype", TypeError, flash_mla.topk_indices, (torch.zeros(2, 5, dtype=torch.int32), 2)
+    yield (
+        "row_ends: expected shape",
+        ValueError,
+        flash_mla.topk_indices,
+        (torch.zeros(2, 5), 2, None, torch.zeros(3, dtype=torch.int32)),
+    )
+    yield "block_size: expected a positive int", ValueError, flash_mla.get_paged_mqa_logits_metadata, (ctx, 0, 132)
+
+
+@pytest.mark.parametrize("match, exc, fn, args", list(_bad_calls()), ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_arguments_raise_naming_them(match, exc, fn, args):
+    with pytest.raises(exc, match="^" + match):
+        fn(*args)
