@@ -328,3 +328,46 @@ def _bad_calls():
 def test_bad_arguments_raise_naming_them(match, exc, fn, args):
     with pytest.raises(exc, match="^" + match):
         fn(*args)
+
+
+# ------------------------------------------------------------------------------ operators
+
+
+def test_operators_opcheck_and_compile():
+    nb, bs, d = 4, 16, 64
+    cache = empty_cache(nb, bs, d)
+    k = random_keys(6, d, seed=20)
+    slots = torch.tensor([0, 5, 17, -1, 40, 63], device=DEVICE)
+    res = torch.library.opcheck(torch.ops.sparse_mla.indexer_k_quant_and_cache.default, (k, cache, slots, "ue8m0"))
+    assert all(v == "SUCCESS" for v in res.values()), res
+    q = random_q((2, 2, 8, d), seed=21)
+    w = torch.rand(4, 8, device=DEVICE)
+    ctx = torch.tensor([30, 7], dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[1, 3], [2, 0]], dtype=torch.int32, device=DEVICE)
+    meta = flash_mla.get_paged_mqa_logits_metadata(ctx, bs, 132)
+    args = (q.view(torch.uint8).view(torch.float8_e4m3fn), cache, w, ctx, table, meta, 32)
+    # (opcheck's schema test compares fp8 inputs with an op PyTorch lacks for fp8: the others run)
+    res = torch.library.opcheck(
+        torch.ops.sparse_mla.fp8_paged_mqa_logits.default,
+        args,
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+    assert all(v == "SUCCESS" for v in res.values()), res
+    logits = flash_mla.fp8_paged_mqa_logits(*args)
+    res = torch.library.opcheck(torch.ops.sparse_mla.topk_indices.default, (logits, 5))
+    assert all(v == "SUCCESS" for v in res.values()), res
+
+    def step(q, cache, w, ctx, table, meta):
+        lg = torch.ops.sparse_mla.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, 32)
+        return torch.ops.sparse_mla.topk_indices(lg, 5)
+
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args[:6])
+    assert torch.equal(got, flash_mla.topk_indices(logits, 5))
+    kvb = random_q((20, d), seed=22)
+    sc = torch.rand(20, device=DEVICE)
+    r0 = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    r1 = torch.tensor([20, 3], dtype=torch.int32, device=DEVICE)
+    assert torch.equal(
+        torch.ops.sparse_mla.fp8_mqa_logits(q[0], kvb, sc, w[:2], r0, r1),
+        flash_mla.fp8_mqa_logits(q[0], (kvb, sc), w[:2], r0, r1),
+    )

@@ -264,7 +264,26 @@ def _bad_calls():
     yield r"topk_length: expected shape \[s_q=2\]", ValueError, dict(ok, topk_length=torch.zeros(3, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("match, exc, kwargs", list(_bad_calls()), ids=lambda v: v if isinstance(v, str) else "")
+def _misaligned_cache():
+    _, kc = make_cache("V32", 2, 16, 0)
+    raw = torch.zeros(1 + kc.numel(), dtype=torch.uint8)
+    raw[1:] = kc.view(torch.uint8).flatten()
+    return raw[1:].view(2, 16, 1, 656)
+
+
+def _more_bad_calls():
+    q = torch.randn(2, 16, 576).to(torch.bfloat16)
+    idx = torch.zeros(2, 1, 8, dtype=torch.int32)
+    yield "kv: the V32 layout needs its start", ValueError, dict(q=q, kv=_misaligned_cache(), indices=idx, sm_scale=0.1)
+    kv = torch.randn(30, 1, 576).to(torch.bfloat16)
+    yield "sm_scale: expected a finite positive float", ValueError, dict(q=q, kv=kv, indices=idx, sm_scale=1e300)
+    yield "sm_scale: expected a finite positive float", ValueError, dict(q=q, kv=kv, indices=idx, sm_scale=1e-300)
+    yield "sm_scale: expected a float", TypeError, dict(q=q, kv=kv, indices=idx, sm_scale=torch.tensor(0.1))
+
+
+@pytest.mark.parametrize(
+    "match, exc, kwargs", list(_bad_calls()) + list(_more_bad_calls()), ids=lambda v: v if isinstance(v, str) else ""
+)
 def test_bad_arguments_raise_naming_them(match, exc, kwargs):
     with pytest.raises(exc, match="^" + match):
         flash_mla.flash_mla_sparse_fwd(**kwargs)
@@ -280,6 +299,43 @@ def test_operator_opcheck(form):
         kv = kv.view(torch.uint8)
     res = torch.library.opcheck(torch.ops.sparse_mla.sparse_prefill.default, (q, kv, idx, 0.05), dict(kw, d_v=512))
     assert all(v == "SUCCESS" for v in res.values()), res
+
+
+def test_misaligned_cache_is_rejected_by_the_decode_too():
+    meta, _ = flash_mla.get_mla_metadata()
+    q = torch.randn(1, 1, 16, 576).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="^k_cache: the V32 layout needs its start"):
+        flash_mla.flash_mla_with_kvcache(
+            q,
+            _misaligned_cache(),
+            None,
+            None,
+            512,
+            meta,
+            is_fp8_kvcache=True,
+            indices=torch.zeros(1, 1, 8, dtype=torch.int32),
+        )
+
+
+def test_compiled_call_checks_its_python_numbers():
+    q, kv, idx, _ = make_case(2, 16, 8, seed=15)
+
+    def f(q, kv, idx):
+        return flash_mla.flash_mla_sparse_fwd(q, kv, idx, True)[0]
+
+    with pytest.raises(Exception, match="sm_scale: expected a float, got bool"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(q, kv, idx)
+    with pytest.raises(Exception, match="q: expected a 3-D tensor"):
+        torch.compile(
+            lambda q: flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.1)[0], fullgraph=True, backend="aot_eager"
+        )(q[0])
+
+
+def test_outputs_never_require_grad():
+    q, kv, idx, _ = make_case(2, 16, 8, seed=16)
+    for backend in ("reference",) + (("portable",) if KERNELS else ()):
+        outs = flash_mla.flash_mla_sparse_fwd(q.clone().requires_grad_(), kv, idx, 0.1, backend=backend)
+        assert not any(t.requires_grad for t in outs)
 
 
 def test_torch_compile_fullgraph():

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .plan import FlashMLASchedMeta, check_sched_meta, decode_workspace_bytes, get_mla_metadata
-from .prefill.problem import validate_sparse_prefill
+from .prefill.problem import check_prefill_scalars, validate_sparse_prefill
 from .prefill.run import run_prefill
 from .serving.ops import decode
 
@@ -174,7 +174,10 @@ def flash_mla_sparse_fwd(
         TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device (the
             message names it), or a backend that cannot run the call.
     """
-    if torch.compiler.is_compiling():  # one operator in the graph (validated when it runs)
+    if torch.compiler.is_compiling():  # one operator in the graph (its tensors validated when it runs)
+        # the Python scalars are fixed at trace time: check them now (the operator's schema would
+        # turn a bool or a 0-d tensor into a float)
+        check_prefill_scalars(sm_scale, d_v, backend)
         return torch.ops.sparse_mla.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, backend)
     p = validate_sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
     return run_prefill(p, backend)

@@ -2,8 +2,9 @@
 callers of ``import sparse_mla.library``; the ops live in :mod:`sparse_mla.serving.ops` and are
 registered by ``import sparse_mla``)."""
 
+from .indexer.ops import INDEXER_OPS
+from .serving.ops import OPS as SERVING_OPS
 from .serving.ops import (
-    OPS,
     abs_indices_to_kvcache_indices,
     combine,
     quantize_and_store_kv,
@@ -11,6 +12,9 @@ from .serving.ops import (
     sparse_decode,
     sparse_prefill,
 )
+
+#: every registered operator name
+OPS = SERVING_OPS + INDEXER_OPS
 
 __all__ = [
     "OPS",

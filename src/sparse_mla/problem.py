@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .formats import KVCacheLayout, check_quantized_cache, get_layout
+from .formats import KVCacheLayout, check_cache_alignment, check_quantized_cache, get_layout
 
 __all__ = [
     "DecodeProblem",
@@ -128,8 +128,9 @@ def check_scale(value: Any, name: str, expected: str = "a float") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected {expected}, got {type(value).__name__}")
     v = float(value)
-    if not (0 < v < float("inf")):
-        raise ValueError(f"{name}: expected a finite positive float, got {value!r}")
+    # the kernels take it as float32: it must stay finite and non-zero there too
+    if not (0 < v < float("inf")) or not (0 < float(torch.tensor(v, dtype=torch.float32)) < float("inf")):
+        raise ValueError(f"{name}: expected a finite positive float (as float32), got {value!r}")
     return v
 
 
@@ -147,6 +148,7 @@ def _check_cache(kc: Any, name: str, lay: KVCacheLayout, dev: torch.device) -> N
     if kc.dim() == 4 and kc.shape[2] != 1:
         raise ValueError(f"{name}: h_kv (dim 2) must be 1 for MLA, got {kc.shape[2]}")
     check_quantized_cache(kc, lay, name)
+    check_cache_alignment(kc, lay, name)
     if kc.shape[0] < 1 or kc.shape[1] < 1:
         raise ValueError(f"{name}: needs at least one block of at least one token, got {list(kc.shape)}")
 

@@ -35,6 +35,7 @@ __all__ = [
     "layout_of_cache",
     "cache_bytes",
     "check_quantized_cache",
+    "check_cache_alignment",
     "num_cache_tokens",
 ]
 
@@ -170,7 +171,9 @@ def check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_c
     A MODEL1 block needs ``page_block_size * 584`` bytes; the block stride may be anything at
     least that (FlashMLA pads blocks to a multiple of 576 B because its kernels need it; ours follow
     ``stride(0)``, so a dense copy of a padded view, as ``Tensor.to``, ``.clone()`` or
-    functionalization make, is accepted too).
+    functionalization make, is accepted too). A MODEL1 view must keep whole blocks: slicing the
+    tokens inside a block moves the scale rows (they follow ``page_block_size`` token rows), which
+    no stride shows, so such a view passes this check and is read wrongly.
     """
     if not isinstance(kq, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(kq).__name__}")
@@ -205,6 +208,19 @@ def check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_c
                 f"{name}: the {lay.name} layout needs {need} bytes per block but the storage ends "
                 f"{end - kq.untyped_storage().nbytes()} bytes early"
             )
+
+
+def check_cache_alignment(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_cache") -> None:
+    """The kernels read a V32 record's float32 scales and bf16 RoPE values (MODEL1: bf16 RoPE) through
+    typed pointers: its start and block/token strides must be 4-byte (MODEL1: 2-byte) aligned, else
+    ``ValueError`` naming ``name`` (a misaligned view would fault on a GPU)."""
+    align = 4 if lay.name == "V32" else 2
+    raw = cache_bytes(kq)
+    if kq.numel() and (raw.data_ptr() % align or raw.stride(0) % align or (raw.shape[1] > 1 and raw.stride(1) % align)):
+        raise ValueError(
+            f"{name}: the {lay.name} layout needs its start and block/token strides aligned to {align} bytes, "
+            f"got offset {raw.data_ptr() % 16} mod 16 and strides {list(raw.stride())}"
+        )
 
 
 def num_cache_tokens(k_cache: torch.Tensor) -> int:

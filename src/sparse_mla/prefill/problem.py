@@ -12,7 +12,7 @@ import torch
 from ..formats import KVCacheLayout, get_layout
 from ..problem import MAX_H_Q, _check_cache, _check_vector, check_scale, check_tensor
 
-__all__ = ["PrefillProblem", "validate_sparse_prefill", "FP8_CACHE_DTYPES"]
+__all__ = ["PrefillProblem", "validate_sparse_prefill", "check_prefill_scalars", "FP8_CACHE_DTYPES"]
 
 #: dtypes of an FP8 paged cache passed as ``kv`` (raw bytes or e4m3)
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
@@ -100,6 +100,17 @@ def _check_kv(kv: Any, lay: KVCacheLayout, dev: torch.device) -> bool:
     return False
 
 
+def check_prefill_scalars(sm_scale: Any, d_v: Any, backend: Any = "auto") -> float:
+    """The Python-number arguments: ``sm_scale`` (finite, > 0, also as float32), ``d_v`` (512) and
+    ``backend`` (a str); returns ``sm_scale`` as a float."""
+    scale = check_scale(sm_scale, "sm_scale")
+    if isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral) or d_v != 512:
+        raise ValueError(f"d_v: expected 512, got {d_v!r}")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    return scale
+
+
 def validate_sparse_prefill(
     q: Any,
     kv: Any,
@@ -126,9 +137,7 @@ def validate_sparse_prefill(
         raise ValueError(f"indices: expected shape [s_q={s_q}, h_kv=1, topk], got {list(indices.shape)}")
     if indices.shape[2] < 1:
         raise ValueError(f"indices: topk must be >= 1, got {indices.shape[2]}")
-    scale = check_scale(sm_scale, "sm_scale")
-    if isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral) or d_v != lay.d_v:
-        raise ValueError(f"d_v: expected {lay.d_v}, got {d_v!r}")
+    scale = check_prefill_scalars(sm_scale, d_v)
     attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
     topk_length = _check_vector(topk_length, "topk_length", torch.int32, s_q, "s_q", dev)
     return PrefillProblem(q, kv, indices, scale, int(d_v), attn_sink, topk_length, kv_fp8, lay)

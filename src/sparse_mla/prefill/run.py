@@ -37,9 +37,11 @@ def resolve_prefill_backend(p: PrefillProblem, backend: str = "auto") -> str:
     return backend
 
 
+@torch.no_grad()
 def run_prefill(p: PrefillProblem, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run a validated problem: ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q] fp32, lse
-    [s_q, h_q] fp32)``; ``s_q = 0`` launches nothing and returns empty tensors."""
+    [s_q, h_q] fp32)``; ``s_q = 0`` launches nothing and returns empty tensors. Inference only:
+    the outputs never require grad, whichever backend runs."""
     name = resolve_prefill_backend(p, backend)
     s_q, h_q, dev = p.s_q, p.h_q, p.q.device
     if s_q == 0:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import KVCacheLayout, LayoutLike, cache_bytes, check_quantized_cache, get_layout, layout_of_cache
+from ..formats import (
+    KVCacheLayout,
+    LayoutLike,
+    check_cache_alignment,
+    check_quantized_cache,
+    get_layout,
+    layout_of_cache,
+)
 
 __all__ = ["check_store_args", "check_abs_index_args"]
 
@@ -50,15 +57,7 @@ def check_store_args(
             f"slot_mapping: expected a tensor on {k_cache.device} (where k_cache is), got {slot_mapping.device}"
         )
     # the kernel stores float32 scales (V32) and int16 RoPE halves through typed pointers
-    align = 4 if lay.name == "V32" else 2
-    raw = cache_bytes(k_cache)
-    if k_cache.numel() and (
-        raw.data_ptr() % align or raw.stride(0) % align or (raw.shape[1] > 1 and raw.stride(1) % align)
-    ):
-        raise ValueError(
-            f"k_cache: the {lay.name} layout needs its start and block/token strides aligned to {align} bytes, "
-            f"got offset {raw.data_ptr() % 16} mod 16 and strides {list(raw.stride())}"
-        )
+    check_cache_alignment(k_cache, lay, "k_cache")
     if slot_mapping.device.type == "cpu" and slot_mapping.numel():
         n_slots = int(k_cache.shape[0]) * int(k_cache.shape[1])
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())

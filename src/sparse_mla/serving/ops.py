@@ -590,6 +590,8 @@ def sparse_prefill(
 
 @sparse_prefill.register_fake
 def _(q, kv, indices, sm_scale, d_v=D_V, attn_sink=None, topk_length=None, backend="auto"):
+    if q.dim() != 3:
+        raise ValueError(f"q: expected a 3-D tensor [s_q, h_q, d_qk], got shape {list(q.shape)}")
     s_q, h_q, _ = q.shape
     return (
         q.new_empty((s_q, h_q, d_v), dtype=torch.bfloat16),
