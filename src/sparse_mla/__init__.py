@@ -1,6 +1,10 @@
-"""sparse_mla: DeepSeek Sparse Attention MLA decode kernels in Triton with FlashMLA's API.
+"""sparse_mla: DeepSeek Sparse Attention for MLA in Triton with FlashMLA's API: the FP8 sparse decode,
+the sparse prefill and the lightning indexer.
 
-``import sparse_mla as flash_mla`` is a drop-in for FlashMLA 1.0's sparse FP8 decode.
+``import sparse_mla as flash_mla`` is a drop-in for FlashMLA 1.0's sparse FP8 decode
+(``get_mla_metadata``, ``flash_mla_with_kvcache``) and sparse prefill (``flash_mla_sparse_fwd``);
+the indexer calls (``indexer_k_quant_and_cache``, ``fp8_mqa_logits``, ``fp8_paged_mqa_logits``,
+``topk_indices``, ``topk_kvcache_indices``) follow DeepGEMM's.
 
 Importing the package registers the ``torch.ops.sparse_mla.*`` custom ops (for ``torch.compile``)
 and imports no Triton: the kernel modules load on first use, so ``TRITON_INTERPRET`` can still be
@@ -9,8 +13,9 @@ set after ``import sparse_mla`` (before the first kernel call). The serving-path
 (index conversion) are attributes that load their module on first access.
 
 Layout (docs/architecture.md): :mod:`.api` → :mod:`.problem` → :mod:`.plan` → :mod:`.decode`
-(dispatcher, kernels, twins); :mod:`.formats` (cache layouts); :mod:`.serving` (cache writes,
-index conversion, custom ops); :mod:`.tools` (CLI); :mod:`.testing` (tolerances and checks).
+(dispatcher, kernels, twins); :mod:`.prefill` and :mod:`.indexer` (same stages); :mod:`.formats`
+(cache layouts); :mod:`.serving` (cache writes, index conversion, custom ops); :mod:`.tools` (CLI);
+:mod:`.testing` (tolerances and checks).
 """
 
 from . import serving as _serving  # noqa: F401  (registers torch.ops.sparse_mla.*)
