@@ -84,6 +84,22 @@ def test_quant_and_cache_matches_twin_bytes(scale_fmt, d, block_size):
     assert (data[~written] == 0xAB).all() and (data[written] != 0xAB).any()
 
 
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", None])
+def test_non_finite_keys_are_stored_as_nan(scale_fmt):
+    d = 16
+    k = torch.ones(4, d, dtype=torch.bfloat16, device=DEVICE)
+    k[0, 0] = float("nan")
+    k[1, 3] = float("inf")
+    k[2, 5] = float("-inf")
+    a, b = empty_cache(1, 4, d), empty_cache(1, 4, d)
+    slots = torch.arange(4, device=DEVICE)
+    flash_mla.indexer_k_quant_and_cache(k, a, slots, scale_fmt)
+    indexer_k_quant_and_cache_reference(k, b, slots, scale_fmt)
+    assert torch.equal(a, b)
+    keys, scales = dequantize_indexer_cache(a)
+    assert torch.isnan(scales[:3]).all() and torch.isnan(keys[:3]).all() and torch.isfinite(keys[3] * scales[3]).all()
+
+
 def test_skipped_slots_are_untouched():
     nb, bs, d = 3, 4, 32
     cache = empty_cache(nb, bs, d)
@@ -363,6 +379,21 @@ def test_operators_opcheck_and_compile():
 
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args[:6])
     assert torch.equal(got, flash_mla.topk_indices(logits, 5))
+
+    # the Python functions themselves compile to the operators
+    def api_step(k, cache, slots, q, w, ctx, table, meta):
+        flash_mla.indexer_k_quant_and_cache(k, cache, slots)
+        lg = flash_mla.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, 32)
+        return flash_mla.topk_kvcache_indices(lg, 5, table, bs, 2)
+
+    c1, c2 = empty_cache(nb, bs, d), empty_cache(nb, bs, d)
+    got = torch.compile(api_step, fullgraph=True, backend="aot_eager")(k, c1, slots, *args[:1], w, ctx, table, meta)
+    want = api_step(k, c2, slots, *args[:1], w, ctx, table, meta)
+    assert torch.equal(got, want) and torch.equal(c1, c2)
+    with pytest.raises(Exception, match="k: expected an int >= 1"):
+        torch.compile(lambda x: flash_mla.topk_indices(x, True), fullgraph=True, backend="aot_eager")(logits)
+    with pytest.raises(Exception, match="logits: expected a 2-D tensor"):
+        torch.compile(lambda x: flash_mla.topk_indices(x, 3), fullgraph=True, backend="aot_eager")(logits[0])
     kvb = random_q((20, d), seed=22)
     sc = torch.rand(20, device=DEVICE)
     r0 = torch.zeros(2, dtype=torch.int32, device=DEVICE)

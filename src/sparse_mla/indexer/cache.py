@@ -64,6 +64,11 @@ def indexer_k_quant_and_cache(
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device.
     """
+    if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
+        if scale_fmt not in SCALE_FMTS:
+            raise ValueError(f"scale_fmt: expected 'ue8m0' or None, got {scale_fmt!r}")
+        torch.ops.sparse_mla.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, scale_fmt)
+        return
     d = _check_args(k, kv_cache, slot_mapping, scale_fmt)
     n = k.shape[0]
     if n == 0:

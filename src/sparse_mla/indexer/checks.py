@@ -30,7 +30,9 @@ def check_index_cache(kv_cache: Any, head_dim: int | None = None, name: str = "k
     """Check an indexer key cache ``[num_blocks, block_size, 1, head_dim + 4]`` uint8 (block-major:
     a block's ``block_size * head_dim`` e4m3 bytes, then its ``block_size`` fp32 scales); returns
     ``head_dim``. The block stride may exceed ``block_size * (head_dim + 4)`` (a pool view) but must
-    keep the scales 4-byte aligned; tokens inside a block are packed."""
+    keep the scales 4-byte aligned; tokens inside a block are packed. Slice a cache by blocks, never
+    by tokens inside a block: the scales follow the block's full page of token rows, so a token
+    slice passes these checks (no stride shows it) and is read and written wrongly."""
     check_tensor_arg(kv_cache, name, (torch.uint8,), 4)
     nb, bs, h_kv, last = kv_cache.shape
     d = last - 4
@@ -50,7 +52,10 @@ def check_index_cache(kv_cache: Any, head_dim: int | None = None, name: str = "k
     if nb > 1 and kv_cache.stride(0) < bs * last:
         raise ValueError(f"{name}: block stride {kv_cache.stride(0)} < the {bs * last} bytes of one block")
     if (nb > 1 and kv_cache.stride(0) % 4) or kv_cache.data_ptr() % 4:
-        raise ValueError(f"{name}: blocks must start 4-byte aligned (the fp32 scales), got stride {kv_cache.stride(0)}")
+        raise ValueError(
+            f"{name}: blocks must start 4-byte aligned (the fp32 scales), got start offset "
+            f"{kv_cache.data_ptr() % 4} mod 4 and block stride {kv_cache.stride(0)}"
+        )
     end = kv_cache.storage_offset() + (nb - 1) * kv_cache.stride(0) + bs * last
     if end > kv_cache.untyped_storage().nbytes():
         raise ValueError(f"{name}: the storage ends before the last block's bytes")

@@ -51,7 +51,11 @@ def _index_quant_store_kernel(
         scale = tl.math.div_rn(amax, 448.0)
         y = tl.math.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    q8 = _e4m3_rtne_bits(y).to(tl.uint8)
+    q8 = _e4m3_rtne_bits(y)
+    # a key with a NaN or inf value is stored as NaN (bytes 0x7F, scale NaN), as the twin does
+    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1) > 0
+    q8 = tl.where(bad[:, None], 0x7F, q8).to(tl.uint8)
+    scale = tl.where(bad, float("nan"), scale)
     tl.store(cache_ptr + base[:, None] + off[:, None] * D + cols[None, :], q8, mask=valid[:, None])
     sptr = (cache_ptr + base + bs * D + off * 4).to(tl.pointer_type(tl.float32))
     tl.store(sptr, scale, mask=valid)

@@ -27,6 +27,11 @@ def _as_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8)
 
 
+def _check_bool(x: Any, name: str) -> None:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name}: expected a bool (True or False), got {type(x).__name__}")
+
+
 def _check_q(q: Any, dim: int) -> tuple[int, int]:
     check_tensor_arg(q, "q", _FP8, dim)
     h, d = q.shape[-2], q.shape[-1]
@@ -76,11 +81,14 @@ def fp8_mqa_logits(
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device.
     """
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        raise TypeError("kv: expected a tuple (keys [s_kv, D] float8_e4m3fn, key_scales [s_kv] float32)")
+    _check_bool(clean_logits, "clean_logits")
+    if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
+        return torch.ops.sparse_mla.fp8_mqa_logits(q, kv[0], kv[1], weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
     h, d = _check_q(q, 3)
     dev = q.device
     s_q = q.shape[0]
-    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
-        raise TypeError("kv: expected a tuple (keys [s_kv, D] float8_e4m3fn, key_scales [s_kv] float32)")
     keys, key_scales = kv
     check_tensor_arg(keys, "kv[0]", _FP8, 2, dev)
     if keys.shape[1] != d:
@@ -94,8 +102,6 @@ def fp8_mqa_logits(
     _check_weights(weights, s_q, h, dev, "s_q")
     ks = _check_int_vector(cu_seqlen_ks, "cu_seqlen_ks", s_q, "s_q", dev)
     ke = _check_int_vector(cu_seqlen_ke, "cu_seqlen_ke", s_q, "s_q", dev)
-    if not isinstance(clean_logits, bool):
-        raise TypeError(f"clean_logits: expected a bool, got {type(clean_logits).__name__}")
     if s_q == 0 or s_kv == 0:
         return torch.full((s_q, s_kv), float("-inf"), dtype=torch.float32, device=dev)
     if not use_triton(dev):
@@ -111,9 +117,9 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int, n
     """Schedule metadata for :func:`fp8_paged_mqa_logits` (DeepGEMM's call).
 
     Our kernel needs no schedule (one program per request and 64-key chunk): this returns a
-    ``[2]`` int32 tensor ``(block_size, num_sms)`` on ``context_lens``' device, which
-    :func:`fp8_paged_mqa_logits` checks against its cache, so engines written for DeepGEMM keep
-    their two calls.
+    ``[2]`` int32 CPU tensor ``(block_size, num_sms)``, which :func:`fp8_paged_mqa_logits` checks
+    against its cache without a device synchronisation, so engines written for DeepGEMM keep
+    their two calls. (Moved to a GPU it is still accepted; the check is then skipped.)
 
     Raises:
         TypeError / ValueError: ``context_lens`` not a 1-D int32 tensor, or a non-positive size.
@@ -122,7 +128,7 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int, n
     for name, v in (("block_size", block_size), ("num_sms", num_sms)):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
-    return torch.tensor([int(block_size), int(num_sms)], dtype=torch.int32, device=context_lens.device)
+    return torch.tensor([int(block_size), int(num_sms)], dtype=torch.int32)
 
 
 def fp8_paged_mqa_logits(
@@ -155,6 +161,14 @@ def fp8_paged_mqa_logits(
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device.
     """
+    if isinstance(max_context_len, bool) or not isinstance(max_context_len, numbers.Integral) or max_context_len < 0:
+        raise ValueError(f"max_context_len: expected an int >= 0, got {max_context_len!r}")
+    _check_bool(clean_logits, "clean_logits")
+    max_context_len = int(max_context_len)
+    if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
+        return torch.ops.sparse_mla.fp8_paged_mqa_logits(
+            q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits
+        )
     h, d = _check_q(q, 4)
     dev = q.device
     b, next_n = q.shape[:2]
@@ -177,11 +191,6 @@ def fp8_paged_mqa_logits(
         raise ValueError(
             f"schedule_meta: made for block_size {int(schedule_meta[0])}, but kv_cache has {kv_cache.shape[1]}"
         )
-    if isinstance(max_context_len, bool) or not isinstance(max_context_len, numbers.Integral) or max_context_len < 0:
-        raise ValueError(f"max_context_len: expected an int >= 0, got {max_context_len!r}")
-    if not isinstance(clean_logits, bool):
-        raise TypeError(f"clean_logits: expected a bool, got {type(clean_logits).__name__}")
-    max_context_len = int(max_context_len)
     if b == 0 or max_context_len == 0:
         return torch.full((b * next_n, max_context_len), float("-inf"), dtype=torch.float32, device=dev)
     if not use_triton(dev):

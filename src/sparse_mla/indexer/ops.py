@@ -56,8 +56,16 @@ def _mqa_op(
     return _mqa(q, (kv, kv_scale), weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
 
 
+def _need_dims(x: torch.Tensor, name: str, dim: int) -> None:
+    """The fake implementations read shapes: a wrong rank gets the functions' named error."""
+    if x.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {list(x.shape)}")
+
+
 @_mqa_op.register_fake
 def _(q, kv, kv_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True):
+    _need_dims(q, "q", 3)
+    _need_dims(kv, "kv[0]", 2)
     return q.new_empty((q.shape[0], kv.shape[0]), dtype=torch.float32)
 
 
@@ -77,6 +85,9 @@ def _paged_op(
 
 @_paged_op.register_fake
 def _(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits=False):
+    _need_dims(q, "q", 4)
+    if max_context_len < 0:
+        raise ValueError(f"max_context_len: expected an int >= 0, got {max_context_len}")
     return q.new_empty((q.shape[0] * q.shape[1], max_context_len), dtype=torch.float32)
 
 
@@ -89,4 +100,7 @@ def _topk_op(
 
 @_topk_op.register_fake
 def _(logits, k, row_starts=None, row_ends=None):
+    _need_dims(logits, "logits", 2)
+    if k < 1:
+        raise ValueError(f"k: expected an int >= 1, got {k}")
     return logits.new_empty((logits.shape[0], k), dtype=torch.int32)

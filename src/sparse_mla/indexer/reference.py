@@ -4,6 +4,7 @@
   amax / 448`` (``scale_fmt=None``) or its power-of-two ceiling ``2^ceil(log2(amax / 448))``
   (``"ue8m0"``, as DeepSeek-V3.2); the token's ``head_dim`` values ``k / scale`` clamped to ±448
   and rounded to e4m3 (nearest even) are written with the fp32 scale into the block-major cache.
+  A key with a NaN or inf value is stored as NaN (bytes 0x7F, scale NaN), so its logits are NaN.
 * :func:`fp8_mqa_logits_reference`: ``logits[i, j] = Σ_h weights[i, h] · relu(q[i, h] · kv[j] ·
   kv_scale[j])`` for ``ks[i] <= j < ke[i]``, ``-inf`` elsewhere.
 * :func:`fp8_paged_mqa_logits_reference`: the same over the paged cache; query position ``p`` of
@@ -39,6 +40,10 @@ def quantize_index_keys(k: torch.Tensor, scale_fmt: str | None) -> tuple[torch.T
     else:
         scale = amax / FP8_MAX
     q = torch.clamp(x / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    # a key with a NaN or inf value is stored as NaN (every byte e4m3 NaN, scale NaN): its logits are NaN
+    bad = ~torch.isfinite(x).all(dim=-1)
+    q = torch.where(bad.unsqueeze(-1), torch.full_like(q, 0x7F), q)
+    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
     return q, scale
 
 
