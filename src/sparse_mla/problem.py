@@ -81,9 +81,11 @@ class DecodeProblem:
         return 0 if self.extra_indices is None else self.extra_indices.shape[2]
 
 
-def check_tensor(x: Any, name: str, dtypes: tuple, dim: int, device: torch.device | None = None) -> torch.Tensor:
-    """``x`` is a tensor of one of ``dtypes`` with ``dim`` dimensions (on ``device``), else
-    ``TypeError``/``ValueError`` naming ``name``."""
+def check_tensor(
+    x: Any, name: str, dtypes: tuple, dim: int, device: torch.device | None = None, device_of: str = "q"
+) -> torch.Tensor:
+    """``x`` is a tensor of one of ``dtypes`` with ``dim`` dimensions (on ``device``, the device of
+    the argument ``device_of``), else ``TypeError``/``ValueError`` naming ``name``."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes:
@@ -92,7 +94,7 @@ def check_tensor(x: Any, name: str, dtypes: tuple, dim: int, device: torch.devic
     if x.dim() != dim:
         raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {list(x.shape)}")
     if device is not None and x.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (where q is), got {x.device}")
+        raise ValueError(f"{name}: expected a tensor on {device} (where {device_of} is), got {x.device}")
     return x
 
 

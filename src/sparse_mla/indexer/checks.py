@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from ..problem import check_tensor
+
 __all__ = ["HEAD_DIMS", "check_index_cache", "check_tensor_arg", "index_cache_geometry"]
 
 #: head dims the indexer kernels take (powers of two; DeepSeek-V3.2 uses 128)
@@ -13,17 +15,8 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def check_tensor_arg(x: Any, name: str, dtypes: tuple, dim: int, device: torch.device | None = None) -> torch.Tensor:
-    """``x`` is a tensor of one of ``dtypes`` with ``dim`` dimensions (on ``device``), else
-    ``TypeError``/``ValueError`` naming ``name``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {x.dtype}")
-    if x.dim() != dim:
-        raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {list(x.shape)}")
-    if device is not None and x.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device}, got {x.device}")
-    return x
+    """:func:`sparse_mla.problem.check_tensor` for the indexer's calls (the device is the first tensor's)."""
+    return check_tensor(x, name, dtypes, dim, device, device_of="the first tensor argument")
 
 
 def check_index_cache(kv_cache: Any, head_dim: int | None = None, name: str = "kv_cache") -> int:
