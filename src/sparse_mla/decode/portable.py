@@ -487,13 +487,14 @@ def gather_consts(lay) -> dict:
     return dict(D_NOPE=lay.d_nope, TILE=lay.tile, MAIN_TILES=512 // lay.tile, NUM_TILES=lay.num_tiles)
 
 
-def dot_consts(interp: bool) -> dict:
-    """Dot operand dtype and precision, and the loop form: the interpreter's bf16 dot is wrong
-    (docs/design.md, environment), so there fp32 operands with exact (ieee) products and a while
-    loop (its range() cannot take loaded bounds with NumPy >= 2.4)."""
-    return dict(
-        DOT_DTYPE=tl.float32 if interp else tl.bfloat16, DOT_PREC="ieee" if interp else None, FOR_LOOP=not interp
-    )
+def dot_consts(interp: bool, loop: bool = True) -> dict:
+    """Dot operand dtype and precision, and (``loop``) the loop form: the interpreter's bf16 dot is
+    wrong (docs/design.md, environment), so there fp32 operands with exact (ieee) products and a
+    while loop (its range() cannot take loaded bounds with NumPy >= 2.4)."""
+    consts = dict(DOT_DTYPE=tl.float32 if interp else tl.bfloat16, DOT_PREC="ieee" if interp else None)
+    if loop:
+        consts["FOR_LOOP"] = not interp
+    return consts
 
 
 def _sel_args(indices: torch.Tensor, lengths: torch.Tensor | None, dummy: torch.Tensor) -> tuple:

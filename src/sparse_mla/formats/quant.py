@@ -18,19 +18,20 @@ from .layouts import (
     get_layout,
 )
 
-__all__ = ["ue8m0_scale", "quantize_k_cache", "dequantize_k_cache", "gather_dequant_tokens"]
+__all__ = ["pow2_ceil", "ue8m0_scale", "quantize_k_cache", "dequantize_k_cache", "gather_dequant_tokens"]
+
+
+def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
+    """``2^ceil(log2 v)`` for positive float32 ``v``, exactly: ``frexp`` gives ``v = m * 2^e`` with
+    ``m`` in [0.5, 1), so ``ceil(log2 v)`` is ``e - 1`` when ``m == 0.5`` (v is a power of two) and
+    ``e`` otherwise, with no rounding of a logarithm."""
+    m, e = torch.frexp(v)
+    return torch.ldexp(torch.ones_like(v), torch.where(m == 0.5, e - 1, e))
 
 
 def ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
-    """Power-of-two scale ``2^ceil(log2(max(amax/448, 1e-4)))`` computed exactly (float32).
-
-    ``frexp`` gives ``v = m * 2^e`` with ``m`` in [0.5, 1): ``ceil(log2 v)`` is ``e - 1`` when
-    ``m == 0.5`` (v is a power of two) and ``e`` otherwise, with no rounding of a logarithm.
-    """
-    v = torch.clamp(amax.float() / FP8_E4M3_MAX, min=SCALE_AMAX_FLOOR)
-    m, e = torch.frexp(v)
-    e = torch.where(m == 0.5, e - 1, e)
-    return torch.ldexp(torch.ones_like(v), e)
+    """Power-of-two scale ``2^ceil(log2(max(amax/448, 1e-4)))`` computed exactly (float32)."""
+    return pow2_ceil(torch.clamp(amax.float() / FP8_E4M3_MAX, min=SCALE_AMAX_FLOOR))
 
 
 def _check_cache_input(k: torch.Tensor, lay: KVCacheLayout) -> None:

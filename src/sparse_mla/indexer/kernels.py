@@ -7,8 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..decode.portable import dot_consts
 from ..runtime import interpreting, require_runnable
-from ..serving.store import _e4m3_rtne_bits
+from ..serving.store import _e4m3_rtne_bits, ceil_log2_div448
 from .checks import index_cache_geometry
 
 __all__ = ["launch_quant_store", "launch_mqa_logits", "launch_paged_mqa_logits"]
@@ -42,9 +43,7 @@ def _index_quant_store_kernel(
     x = x.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
     if UE8M0:
-        # 2^ceil(log2(amax / 448)) from the float bits: amax = 1.m 2^e -> amax / 448 = (1.m / 1.75) 2^(e - 8)
-        bits = amax.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        e = ceil_log2_div448(amax)  # scale 2^e
         scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
         y = x * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]  # x / 2^e, exact
     else:
@@ -64,7 +63,7 @@ def _index_quant_store_kernel(
 def launch_quant_store(
     k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, d: int, ue8m0: bool
 ) -> None:
-    require_runnable(_index_quant_store_kernel, kv_cache.device, _e4m3_rtne_bits)
+    require_runnable(_index_quant_store_kernel, kv_cache.device, _e4m3_rtne_bits, ceil_log2_div448)
     nb, bs, _, stride_blk = index_cache_geometry(kv_cache)
     n = k.shape[0]
     block_t = 16
@@ -203,11 +202,6 @@ def _paged_mqa_logits_kernel(
     )
 
 
-def _dot_consts() -> dict:
-    interp = interpreting()
-    return dict(DOT_DTYPE=tl.float32 if interp else tl.bfloat16, DOT_PREC="ieee" if interp else None)
-
-
 def launch_mqa_logits(q, kv, kv_scale, weights, ks, ke, out) -> None:
     """``q [s_q, H, D]`` and ``kv [s_kv, D]`` as uint8 (e4m3 bytes); ``out [s_q, s_kv]`` fp32."""
     require_runnable(_mqa_logits_kernel, q.device, _weighted_relu_rows)
@@ -220,7 +214,7 @@ def launch_mqa_logits(q, kv, kv_scale, weights, ks, ke, out) -> None:
     _mqa_logits_kernel[grid](
         q, q.stride(0), q.stride(1), kv, kv.stride(0), kv_scale, weights, weights.stride(0), weights.stride(1),
         ks, ke, out, out.stride(0), s_q, s_kv, h,
-        D=d, BLOCK_M=block_m, H_P2=h_p2, BLOCK_N=block_n, **_dot_consts(), num_warps=4,
+        D=d, BLOCK_M=block_m, H_P2=h_p2, BLOCK_N=block_n, **dot_consts(interpreting(), loop=False), num_warps=4,
     )  # fmt: skip
 
 
@@ -236,5 +230,5 @@ def launch_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, out
         weights.stride(1), context_lens, block_table, block_table.stride(0), block_table.shape[1], out,
         out.stride(0), max_context_len, next_n, h,
         D=d, NN_P2=triton.next_power_of_2(next_n), H_P2=max(triton.next_power_of_2(h), 16), BLOCK_N=block_n,
-        **_dot_consts(), num_warps=4,
+        **dot_consts(interpreting(), loop=False), num_warps=4,
     )  # fmt: skip

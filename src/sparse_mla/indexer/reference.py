@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.quant import pow2_ceil
+
 __all__ = [
     "indexer_k_quant_and_cache_reference",
     "quantize_index_keys",
@@ -34,9 +36,7 @@ def quantize_index_keys(k: torch.Tensor, scale_fmt: str | None) -> tuple[torch.T
     x = k.float()
     amax = x.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
     if scale_fmt == "ue8m0":
-        # 2^ceil(log2(amax / 448)), exactly: frexp gives v = m 2^e with m in [0.5, 1)
-        m, e = torch.frexp(amax / FP8_MAX)
-        scale = torch.ldexp(torch.ones_like(amax), torch.where(m == 0.5, e - 1, e))
+        scale = pow2_ceil(amax / FP8_MAX)  # the floor is on amax here, not on amax / 448 as in ue8m0_scale
     else:
         scale = amax / FP8_MAX
     q = torch.clamp(x / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)

@@ -72,6 +72,15 @@ def _e4m3_rtne_bits(y):
 
 
 @triton.jit
+def ceil_log2_div448(amax):
+    """``ceil(log2(amax / 448))`` (int32) of positive normal float32 ``amax``, exactly, from its bits:
+    ``amax = 1.m * 2^e`` gives ``amax / 448 = (1.m / 1.75) * 2^(e - 8)``, so the exponent is ``e - 8``,
+    plus one when ``1.m > 1.75`` (mantissa field above ``0x600000``)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+
+
+@triton.jit
 def _quantize_store_kernel(
     kv_ptr,
     stride_kv,
@@ -117,9 +126,7 @@ def _quantize_store_kernel(
 
     # exact UE8M0 exponent k = ceil(log2(max(amax / 448, 1e-4)))
     amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_T, TILES_P2]
-    bits = amax.to(tl.int32, bitcast=True)
-    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    k = tl.maximum(k, -13)
+    k = tl.maximum(ceil_log2_div448(amax), -13)
     inv_scale = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k, exact
     y = x * inv_scale[:, :, None]
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
