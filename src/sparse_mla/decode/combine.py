@@ -161,8 +161,19 @@ _TILE_VALUES = 8192
 MANY_SPLITS = 24
 
 
+def _is_pow2(v: object) -> bool:
+    """``v`` is an int (not a bool) that is a power of two >= 1."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
+
+
 def _combine_blocks(
-    b: int, s_q: int, h_q: int, d_v: int, device: torch.device, max_pieces: int | None = None
+    b: int,
+    s_q: int,
+    h_q: int,
+    d_v: int,
+    device: torch.device,
+    max_pieces: int | None = None,
+    blocks: tuple[int, int] | None = None,
 ) -> tuple[int, int, int]:
     """(BLOCK_H, BLOCK_D, BLOCK_S) of the combine grid: 16 x 128 by default; when that gives fewer
     than two programs per SM (small batches, whose few requests each have many splits: b = 1 had 32
@@ -170,8 +181,8 @@ def _combine_blocks(
     BLOCK_S (splits read at once): 32 when some request has at least :data:`MANY_SPLITS` splits
     (``max_pieces``) and the tile allows (b = 1, h_q 128: 7.6 -> 4.4 µs on the H200), else 1 (at
     b = 2 with 11 splits per request the split tile took 10.0 µs against the loop's 5.3)."""
-    block_h, block_d = 16, 128
-    if device.type == "cuda":
+    block_h, block_d = blocks if blocks is not None else (16, 128)
+    if device.type == "cuda" and blocks is None:
         target = 2 * cuda_num_sms(device)
         while b * s_q * triton.cdiv(h_q, block_h) * (d_v // block_d) < target:
             if block_d > 64:
@@ -181,7 +192,7 @@ def _combine_blocks(
             else:
                 break
     many = max_pieces is not None and max_pieces >= MANY_SPLITS
-    return block_h, block_d, (min(32, _TILE_VALUES // (block_h * block_d)) if many else 1)
+    return block_h, block_d, (max(min(32, _TILE_VALUES // (block_h * block_d)), 1) if many else 1)
 
 
 def combine_fwd(
@@ -225,27 +236,15 @@ def combine_fwd(
         )
     require_runnable(_combine_kernel, out.device)
     if blocks is not None:
-        ok = (
-            isinstance(blocks, tuple)
-            and len(blocks) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0 for v in blocks)
-        )
+        ok = isinstance(blocks, tuple) and len(blocks) == 2 and all(_is_pow2(v) for v in blocks)
         if not ok or d_v % blocks[1]:
             raise ValueError(
                 f"blocks: expected (BLOCK_H, BLOCK_D), powers of two >= 1 with BLOCK_D dividing "
                 f"d_v={d_v}, got {blocks!r}"
             )
-    block_h, block_d, block_s = _combine_blocks(b, s_q, h_q, d_v, out.device, max_pieces)
-    if blocks is not None:
-        block_h, block_d = blocks
-        block_s = min(block_s, max(_TILE_VALUES // (block_h * block_d), 1))
+    block_h, block_d, block_s = _combine_blocks(b, s_q, h_q, d_v, out.device, max_pieces, blocks)
     if splits_per_step is not None:
-        if (
-            isinstance(splits_per_step, bool)
-            or not isinstance(splits_per_step, int)
-            or splits_per_step < 1
-            or splits_per_step & (splits_per_step - 1)
-        ):
+        if not _is_pow2(splits_per_step):
             raise ValueError(f"splits_per_step: expected a power of two >= 1, got {splits_per_step!r}")
         block_s = splits_per_step
     if d_v % block_d:
