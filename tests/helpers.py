@@ -183,6 +183,6 @@ def cache_to(k_cache: torch.Tensor, device) -> torch.Tensor:
     """
     raw = k_cache.view(torch.uint8) if k_cache.dtype != torch.uint8 else k_cache
     n = raw.untyped_storage().nbytes()
-    flat = torch.empty(0, dtype=torch.uint8).set_(raw.untyped_storage(), 0, (n,), (1,))
+    flat = torch.empty(0, dtype=torch.uint8, device=raw.device).set_(raw.untyped_storage(), 0, (n,), (1,))
     moved = flat.to(device).as_strided(raw.shape, raw.stride(), raw.storage_offset())
     return moved.view(k_cache.dtype) if k_cache.dtype != torch.uint8 else moved
