@@ -55,7 +55,7 @@ def parse_variant(text: str) -> tuple[str, str, Any, bool]:
         k, _, v = kv.partition("=")
         if k not in fields:
             raise SystemExit(f"--variant {text!r}: {CONFIGS[backend].__name__} has no field {k!r} ({sorted(fields)})")
-        kw[k] = int(v)
+        kw[k] = v.lower() in ("1", "true") if fields[k] in (bool, "bool") else int(v)
     return name, backend, CONFIGS[backend](**kw), check
 
 
