@@ -7,8 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..decode.portable import dot_consts
-from ..runtime import interpreting, require_runnable
+from ..runtime import cuda_num_sms, interpreting, require_runnable
 from ..serving.store import _e4m3_rtne_bits, ceil_log2_div448
 from .checks import index_cache_geometry
 
@@ -73,162 +72,290 @@ def launch_quant_store(
     )  # fmt: skip
 
 
+# ------------------------------------------------------------------------------------------ logits
+#
+# Both logits kernels compute a tile as ``S = K @ Q^T`` with the keys as the M side (BLOCK_N tokens,
+# a [tokens, D] tile, D contiguous) and the query rows of one program (positions x heads, D
+# contiguous) as the N side: both operands K-major, which Hopper's FP8 wgmma needs. The sum over
+# heads is then a sum along the accumulator's columns (in-thread adds and a few lane shuffles, no
+# shared memory), the key scale is per accumulator row and the head weight per column.
+# On sm_89+ (and in the interpreter) the operands are float8e4nv with fp32 accumulation; on older
+# GPUs (no e4m3 type) the bytes are decoded to fp16 by integer operations (exact) and the dot is
+# fp16 x fp16 -> fp32.
+
+
 @triton.jit
-def _weighted_relu_rows(
-    q, k, sc, w, ROWS: tl.constexpr, H_P2: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr
-):
-    """``Σ_h w[r, h] · relu((q[r, h] · k[j]) · sc[j])`` for ``q [ROWS * H_P2, D]``, ``k [BLOCK_N, D]``,
-    ``sc [BLOCK_N]``, ``w [ROWS, H_P2]`` -> ``[ROWS, BLOCK_N]`` fp32."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    s = tl.maximum(s * sc[None, :], 0.0)
-    return tl.sum(tl.reshape(s, [ROWS, H_P2, BLOCK_N]) * w[:, :, None], axis=1)
+def _e4m3_operand(ptrs, mask, FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Load e4m3 bytes at uint8 ``ptrs`` as a dot operand: float8e4nv itself (``FP8_DOT``), else
+    decoded to ``DOT_DTYPE`` without the e4m3 type (sign and 7 low bits placed into an fp16, times
+    2^8; 0x7F / 0xFF are NaN): the same values."""
+    if FP8_DOT:
+        return tl.load(ptrs.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0)
+    else:
+        b = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16)
+        x = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        x = tl.where((b & 0x7F) == 0x7F, float("nan"), x)
+        return x.to(DOT_DTYPE)
+
+
+@triton.jit
+def _head_sum(s, sc, w, BLOCK_N: tl.constexpr, P: tl.constexpr, H_P2: tl.constexpr):
+    """``s [BLOCK_N, P * H_P2]`` key-by-row scores, ``sc [BLOCK_N]`` key scales, ``w [P * H_P2]``
+    row weights -> ``[BLOCK_N, P]``: ``Σ_h w[p, h] · relu(s[j, (p, h)] · sc[j])`` (NaN propagates,
+    as in the twin)."""
+    t = tl.maximum(s * sc[:, None], 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
+    return tl.sum(tl.reshape(t, [BLOCK_N, P, H_P2]), axis=2)
+
+
+@triton.jit
+def _mqa_tile(
+    t, q_t, w, ks, ke, rows, rmask, kv_ptr, stride_kv, scale_ptr, out_ptr, stride_os, s_kv,
+    D: tl.constexpr, BQ: tl.constexpr, H_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Key tile ``t`` against the program's ``BQ`` query tokens: logits (or -inf) stored."""
+    cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < s_kv
+    dd = tl.arange(0, D)
+    k = _e4m3_operand(kv_ptr + cols.to(tl.int64)[:, None] * stride_kv + dd[None, :], cmask[:, None], FP8_DOT, DOT_DTYPE)
+    sc = tl.load(scale_ptr + cols, mask=cmask, other=0.0)
+    s = tl.dot(k, q_t, input_precision=DOT_PREC)
+    lg = _head_sum(s, sc, w, BLOCK_N, BQ, H_P2)
+    inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :]) & cmask[:, None]
+    lg = tl.where(inside, lg, float("-inf"))
+    optr = out_ptr + rows.to(tl.int64)[None, :] * stride_os + cols[:, None]
+    tl.store(optr, lg, mask=rmask[None, :] & cmask[:, None])
+
+
+@triton.jit
+def _fill_tile(t, out_rows, row_mask, n_cols, R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """-inf into columns ``[t * BLOCK_N, (t + 1) * BLOCK_N) ∩ [0, n_cols)`` of ``R`` rows
+    (``out_rows [R]`` row pointers)."""
+    cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    val = tl.full([BLOCK_N, R], float("-inf"), tl.float32)
+    tl.store(out_rows[None, :] + cols[:, None], val, mask=row_mask[None, :] & (cols[:, None] < n_cols))
 
 
 @triton.jit
 def _mqa_logits_kernel(
-    q_ptr,
-    stride_qs,
-    stride_qh,
-    kv_ptr,
-    stride_kv,
-    scale_ptr,
-    w_ptr,
-    stride_ws,
-    stride_wh,
-    ks_ptr,
-    ke_ptr,
-    out_ptr,
-    stride_os,
-    s_q,
-    s_kv,
-    H,
-    D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    H_P2: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """Grid ``(ceil(s_q / BLOCK_M), ceil(s_kv / BLOCK_N))``: BLOCK_M query tokens x BLOCK_N keys; a
-    tile outside every row's ``[ks, ke)`` only writes -inf."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    q_ptr, stride_qs, stride_qh, kv_ptr, stride_kv, scale_ptr, w_ptr, stride_ws, stride_wh, ks_ptr, ke_ptr,
+    out_ptr, stride_os, s_q, s_kv, H, tiles_per_prog,
+    D: tl.constexpr, BQ: tl.constexpr, H_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(ceil(s_q / BQ), splits)``: ``BQ`` query tokens (``BQ * H_P2`` dot rows, loaded once)
+    against key tiles ``[pid1 * tiles_per_prog, ...)``, BLOCK_N keys a step; tiles outside every
+    row's ``[ks, ke)`` are not computed, only filled with -inf."""
+    rows = tl.program_id(0) * BQ + tl.arange(0, BQ)
     rmask = rows < s_q
-    cmask = cols < s_kv
     ks = tl.load(ks_ptr + rows, mask=rmask, other=0)
     ke = tl.load(ke_ptr + rows, mask=rmask, other=0)
-    inside = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & cmask[None, :]
-    logits = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-    if tl.max(tl.max(inside.to(tl.int32), axis=1), axis=0) > 0:
-        hh = tl.arange(0, H_P2)
-        dd = tl.arange(0, D)
-        qm = rmask[:, None] & (hh[None, :] < H)
-        qoff = tl.reshape(rows.to(tl.int64)[:, None] * stride_qs + hh[None, :] * stride_qh, [BLOCK_M * H_P2])
-        q8 = tl.load(q_ptr + qoff[:, None] + dd[None, :], mask=tl.reshape(qm, [BLOCK_M * H_P2])[:, None], other=0)
-        q = q8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
-        k8 = tl.load(kv_ptr + cols.to(tl.int64)[:, None] * stride_kv + dd[None, :], mask=cmask[:, None], other=0)
-        k = k8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
-        sc = tl.load(scale_ptr + cols, mask=cmask, other=0.0)
-        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_ws + hh[None, :] * stride_wh, mask=qm, other=0.0)
-        lg = _weighted_relu_rows(q, k, sc, w, BLOCK_M, H_P2, BLOCK_N, DOT_PREC)
-        logits = tl.where(inside, lg, float("-inf"))
-    optr = out_ptr + rows.to(tl.int64)[:, None] * stride_os + cols[None, :]
-    tl.store(optr, logits, mask=rmask[:, None] & cmask[None, :])
+    live = rmask & (ke > ks)
+    lo = tl.maximum(tl.min(tl.where(live, ks, s_kv), axis=0), 0)
+    hi = tl.minimum(tl.max(tl.where(live, ke, 0), axis=0), s_kv)
+    hh = tl.arange(0, H_P2)
+    dd = tl.arange(0, D)
+    qm = rmask[:, None] & (hh[None, :] < H)
+    qoff = tl.reshape(rows.to(tl.int64)[:, None] * stride_qs + hh[None, :] * stride_qh, [BQ * H_P2])
+    qm1 = tl.reshape(qm, [BQ * H_P2])
+    q = _e4m3_operand(q_ptr + qoff[:, None] + dd[None, :], qm1[:, None], FP8_DOT, DOT_DTYPE)
+    q_t = tl.trans(q)
+    woff = rows.to(tl.int64)[:, None] * stride_ws + hh[None, :] * stride_wh
+    w = tl.reshape(tl.load(w_ptr + woff, mask=qm, other=0.0), [BQ * H_P2])
+    n_tiles = tl.cdiv(s_kv, BLOCK_N)
+    t_lo = tl.program_id(1) * tiles_per_prog
+    t_hi = tl.minimum(t_lo + tiles_per_prog, n_tiles)
+    c_lo = tl.minimum(tl.maximum(lo // BLOCK_N, t_lo), t_hi)
+    c_hi = tl.minimum(tl.maximum(tl.cdiv(hi, BLOCK_N), c_lo), t_hi)
+    out_rows = out_ptr + rows.to(tl.int64) * stride_os
+    if FOR_LOOP:
+        for t in tl.range(t_lo, c_lo):
+            _fill_tile(t, out_rows, rmask, s_kv, BQ, BLOCK_N)
+        for t in tl.range(c_lo, c_hi, num_stages=NUM_STAGES):
+            _mqa_tile(t, q_t, w, ks, ke, rows, rmask, kv_ptr, stride_kv, scale_ptr, out_ptr, stride_os, s_kv,
+                      D, BQ, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE, DOT_PREC)  # fmt: skip
+        for t in tl.range(c_hi, t_hi):
+            _fill_tile(t, out_rows, rmask, s_kv, BQ, BLOCK_N)
+    else:  # the interpreter: range() cannot take loaded bounds (NumPy >= 2.4)
+        t = t_lo
+        while t < c_lo:
+            _fill_tile(t, out_rows, rmask, s_kv, BQ, BLOCK_N)
+            t += 1
+        while t < c_hi:
+            _mqa_tile(t, q_t, w, ks, ke, rows, rmask, kv_ptr, stride_kv, scale_ptr, out_ptr, stride_os, s_kv,
+                      D, BQ, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE, DOT_PREC)  # fmt: skip
+            t += 1
+        while t < t_hi:
+            _fill_tile(t, out_rows, rmask, s_kv, BQ, BLOCK_N)
+            t += 1
+
+
+@triton.jit
+def _paged_tile(
+    t, ctx, q_t, w, pp, bt_row, max_blocks, cache_ptr, stride_blk, bs, nb, out_rows, row_mask, max_ctx, next_n,
+    D: tl.constexpr, P: tl.constexpr, H_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Keys ``[t * BLOCK_N, (t + 1) * BLOCK_N)`` of one request (through its block-table row
+    ``bt_row``) against its ``P`` query positions ``pp``: logits (or -inf) stored."""
+    cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    page = cols // bs
+    pmask = (cols < ctx) & (page < max_blocks)
+    blk = tl.load(bt_row + page, mask=pmask, other=-1)
+    okk = pmask & (blk >= 0) & (blk < nb)
+    base = tl.where(okk, blk, 0).to(tl.int64) * stride_blk
+    off = (cols - page * bs).to(tl.int64)
+    dd = tl.arange(0, D)
+    k = _e4m3_operand(cache_ptr + base[:, None] + off[:, None] * D + dd[None, :], okk[:, None], FP8_DOT, DOT_DTYPE)
+    sc = tl.load((cache_ptr + base + bs * D + off * 4).to(tl.pointer_type(tl.float32)), mask=okk, other=0.0)
+    s = tl.dot(k, q_t, input_precision=DOT_PREC)
+    lg = _head_sum(s, sc, w, BLOCK_N, P, H_P2)
+    visible = okk[:, None] & (cols[:, None] <= ctx - next_n + pp[None, :])
+    lg = tl.where(visible, lg, float("-inf"))
+    tl.store(out_rows[None, :] + cols[:, None], lg, mask=row_mask[None, :] & (cols[:, None] < max_ctx))
 
 
 @triton.jit
 def _paged_mqa_logits_kernel(
-    q_ptr,
-    stride_qb,
-    stride_qn,
-    stride_qh,
-    cache_ptr,
-    stride_blk,
-    bs,
-    nb,
-    w_ptr,
-    stride_wr,
-    stride_wh,
-    ctx_ptr,
-    bt_ptr,
-    stride_btb,
-    max_blocks,
-    out_ptr,
-    stride_or,
-    max_ctx,
-    next_n,
-    H,
-    D: tl.constexpr,
-    NN_P2: tl.constexpr,
-    H_P2: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """Grid ``(b, ceil(max_context_len / BLOCK_N))``: all ``next_n`` query positions of request ``i``
-    against BLOCK_N keys of its context (each key read once for the request)."""
+    q_ptr, stride_qb, stride_qn, stride_qh, cache_ptr, stride_blk, bs, nb, w_ptr, stride_wr, stride_wh,
+    ctx_ptr, bt_ptr, stride_btb, max_blocks, out_ptr, stride_or, max_ctx, next_n, H, tiles_per_prog,
+    D: tl.constexpr, P: tl.constexpr, H_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(b, chunks, ceil(next_n / P))``: request ``pid0``'s query positions ``[pid2 * P, ...)``
+    (``P * H_P2`` dot rows, loaded once) against its key tiles ``[pid1 * tiles_per_prog, ...)``,
+    BLOCK_N keys a step (each key read once per request when ``P >= next_n``), the next tiles'
+    gathers in flight (``NUM_STAGES``); tiles past the context only filled with -inf."""
     i = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    pp = tl.arange(0, NN_P2)
     ctx = tl.load(ctx_ptr + i)
-    logits = tl.full([NN_P2, BLOCK_N], float("-inf"), tl.float32)
-    if tl.program_id(1) * BLOCK_N < ctx:
-        page = cols // bs
-        pmask = (cols < ctx) & (page < max_blocks)
-        blk = tl.load(bt_ptr + i.to(tl.int64) * stride_btb + page, mask=pmask, other=-1)
-        okk = pmask & (blk >= 0) & (blk < nb)
-        base = tl.where(okk, blk, 0).to(tl.int64) * stride_blk
-        off = (cols - page * bs).to(tl.int64)
-        dd = tl.arange(0, D)
-        k8 = tl.load(cache_ptr + base[:, None] + off[:, None] * D + dd[None, :], mask=okk[:, None], other=0)
-        k = k8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
-        sc = tl.load((cache_ptr + base + bs * D + off * 4).to(tl.pointer_type(tl.float32)), mask=okk, other=0.0)
-        hh = tl.arange(0, H_P2)
-        qm = (pp[:, None] < next_n) & (hh[None, :] < H)
-        qoff = tl.reshape(pp[:, None] * stride_qn + hh[None, :] * stride_qh, [NN_P2 * H_P2])
-        qb = q_ptr + i.to(tl.int64) * stride_qb
-        q8 = tl.load(qb + qoff[:, None] + dd[None, :], mask=tl.reshape(qm, [NN_P2 * H_P2])[:, None], other=0)
-        q = q8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
-        wrow = (i * next_n + pp).to(tl.int64)
-        w = tl.load(w_ptr + wrow[:, None] * stride_wr + hh[None, :] * stride_wh, mask=qm, other=0.0)
-        lg = _weighted_relu_rows(q, k, sc, w, NN_P2, H_P2, BLOCK_N, DOT_PREC)
-        visible = okk[None, :] & (cols[None, :] <= ctx - next_n + pp[:, None])
-        logits = tl.where(visible, lg, float("-inf"))
+    pp = tl.program_id(2) * P + tl.arange(0, P)
+    hh = tl.arange(0, H_P2)
+    dd = tl.arange(0, D)
+    qm = (pp[:, None] < next_n) & (hh[None, :] < H)
+    qoff = tl.reshape(pp[:, None] * stride_qn + hh[None, :] * stride_qh, [P * H_P2])
+    qm1 = tl.reshape(qm, [P * H_P2])
+    q = _e4m3_operand(q_ptr + i.to(tl.int64) * stride_qb + qoff[:, None] + dd[None, :], qm1[:, None], FP8_DOT, DOT_DTYPE)
+    q_t = tl.trans(q)
     orow = (i * next_n + pp).to(tl.int64)
-    tl.store(
-        out_ptr + orow[:, None] * stride_or + cols[None, :],
-        logits,
-        mask=(pp[:, None] < next_n) & (cols[None, :] < max_ctx),
+    w = tl.reshape(tl.load(w_ptr + orow[:, None] * stride_wr + hh[None, :] * stride_wh, mask=qm, other=0.0), [P * H_P2])
+    out_rows = out_ptr + orow * stride_or
+    row_mask = pp < next_n
+    bt_row = bt_ptr + i.to(tl.int64) * stride_btb
+    n_tiles = tl.cdiv(max_ctx, BLOCK_N)
+    t_lo = tl.program_id(1) * tiles_per_prog
+    t_hi = tl.minimum(t_lo + tiles_per_prog, n_tiles)
+    t_mid = tl.maximum(tl.minimum(t_hi, tl.cdiv(ctx, BLOCK_N)), t_lo)
+    if FOR_LOOP:
+        for t in tl.range(t_lo, t_mid, num_stages=NUM_STAGES):
+            _paged_tile(t, ctx, q_t, w, pp, bt_row, max_blocks, cache_ptr, stride_blk, bs, nb, out_rows, row_mask,
+                        max_ctx, next_n, D, P, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE, DOT_PREC)  # fmt: skip
+        for t in tl.range(t_mid, t_hi):
+            _fill_tile(t, out_rows, row_mask, max_ctx, P, BLOCK_N)
+    else:  # the interpreter: range() cannot take loaded bounds (NumPy >= 2.4)
+        t = t_lo
+        while t < t_mid:
+            _paged_tile(t, ctx, q_t, w, pp, bt_row, max_blocks, cache_ptr, stride_blk, bs, nb, out_rows, row_mask,
+                        max_ctx, next_n, D, P, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE, DOT_PREC)  # fmt: skip
+            t += 1
+        while t < t_hi:
+            _fill_tile(t, out_rows, row_mask, max_ctx, P, BLOCK_N)
+            t += 1
+
+
+#: launch parameters of the logits kernels (the sweep, ``benchmarks/indexer_sweep.py``, overrides them):
+#: ``block_n`` keys per step, ``rows`` dot rows per program (query positions or tokens x heads,
+#: padded to powers of two), ``progs_per_sm`` programs to aim for per SM (the key range is split
+#: until there are that many), ``fp8_dot`` None = by device (sm_89+ and the interpreter)
+PREFILL_CONFIG = dict(block_n=128, rows=128, num_warps=8, num_stages=3, progs_per_sm=4, fp8_dot=None)
+PAGED_CONFIG = dict(block_n=64, rows=256, num_warps=4, num_stages=3, progs_per_sm=16, fp8_dot=None)
+
+
+def fp8_dot_supported(device: torch.device) -> bool:
+    """Whether ``tl.dot`` takes float8e4nv operands on ``device``: CUDA sm_89+ and the interpreter
+    (AMD and older NVIDIA GPUs: the fp16 decode path)."""
+    if device.type != "cuda":
+        return True
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _dot_meta(device: torch.device, fp8_dot: bool | None) -> dict:
+    interp = interpreting()
+    fp8 = fp8_dot_supported(device) if fp8_dot is None else bool(fp8_dot)
+    wide = tl.float32 if interp else tl.float16  # the interpreter's half-precision dots are wrong
+    return dict(
+        FP8_DOT=fp8,
+        DOT_DTYPE=wide,
+        DOT_PREC="ieee" if (interp and not fp8) else None,
+        FOR_LOOP=not interp,
     )
 
 
-def launch_mqa_logits(q, kv, kv_scale, weights, ks, ke, out) -> None:
+def _rows_tile(h: int, groups: int, rows: int) -> tuple[int, int]:
+    """``(G, H_P2)``: ``G`` groups (query positions or tokens) of ``H_P2`` head rows per program,
+    ``G * H_P2 <= max(rows, H_P2)`` and ``>= 16`` (a dot's smallest side)."""
+    h_p2 = triton.next_power_of_2(h)
+    g = max(1, min(triton.next_power_of_2(groups), rows // h_p2))
+    if g * h_p2 < 16:
+        h_p2 = 16 // g
+    return g, h_p2
+
+
+def _split(n_tiles: int, programs: int, target: int) -> tuple[int, int]:
+    """``(tiles_per_prog, splits)``: split ``n_tiles`` into about ``target / programs`` even parts."""
+    splits = max(1, min(n_tiles, -(-target // max(programs, 1))))
+    per = triton.cdiv(n_tiles, splits)
+    return per, triton.cdiv(n_tiles, per)
+
+
+def _num_sms(device: torch.device, num_sms: int | None) -> int:
+    if num_sms is not None:
+        return max(1, int(num_sms))
+    return cuda_num_sms(device) if device.type == "cuda" else 1
+
+
+def launch_mqa_logits(q, kv, kv_scale, weights, ks, ke, out, num_sms=None, config=None) -> None:
     """``q [s_q, H, D]`` and ``kv [s_kv, D]`` as uint8 (e4m3 bytes); ``out [s_q, s_kv]`` fp32."""
-    require_runnable(_mqa_logits_kernel, q.device, _weighted_relu_rows)
+    require_runnable(_mqa_logits_kernel, q.device, _e4m3_operand, _head_sum, _mqa_tile, _fill_tile)
+    cfg = {**PREFILL_CONFIG, **(config or {})}
     s_q, h, d = q.shape
     s_kv = kv.shape[0]
-    h_p2 = max(triton.next_power_of_2(h), 16)  # a dot needs >= 16 rows
-    block_m = max(1, 128 // h_p2)
-    block_n = 64
-    grid = (triton.cdiv(s_q, block_m), triton.cdiv(s_kv, block_n))
-    _mqa_logits_kernel[grid](
+    bq, h_p2 = _rows_tile(h, s_q, cfg["rows"])
+    block_n = cfg["block_n"]
+    n_qb = triton.cdiv(s_q, bq)
+    per, splits = _split(triton.cdiv(s_kv, block_n), n_qb, _num_sms(q.device, num_sms) * cfg["progs_per_sm"])
+    _mqa_logits_kernel[(n_qb, splits)](
         q, q.stride(0), q.stride(1), kv, kv.stride(0), kv_scale, weights, weights.stride(0), weights.stride(1),
-        ks, ke, out, out.stride(0), s_q, s_kv, h,
-        D=d, BLOCK_M=block_m, H_P2=h_p2, BLOCK_N=block_n, **dot_consts(interpreting(), loop=False), num_warps=4,
+        ks, ke, out, out.stride(0), s_q, s_kv, h, per,
+        D=d, BQ=bq, H_P2=h_p2, BLOCK_N=block_n, **_dot_meta(q.device, cfg["fp8_dot"]),
+        NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
-def launch_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, out, max_context_len) -> None:
-    """``q [b, next_n, H, D]`` uint8 (e4m3 bytes); ``out [b * next_n, max_context_len]`` fp32."""
-    require_runnable(_paged_mqa_logits_kernel, q.device, _weighted_relu_rows)
+def launch_paged_mqa_logits(
+    q, kv_cache, weights, context_lens, block_table, out, max_context_len, num_sms=None, config=None
+) -> None:
+    """``q [b, next_n, H, D]`` uint8 (e4m3 bytes); ``out [b * next_n, max_context_len]`` fp32;
+    ``num_sms`` sizes the grid (default: the device's)."""
+    require_runnable(_paged_mqa_logits_kernel, q.device, _e4m3_operand, _head_sum, _paged_tile, _fill_tile)
+    cfg = {**PAGED_CONFIG, **(config or {})}
     b, next_n, h, d = q.shape
     nb, bs, _, stride_blk = index_cache_geometry(kv_cache)
-    block_n = 64
-    grid = (b, triton.cdiv(max_context_len, block_n))
-    _paged_mqa_logits_kernel[grid](
+    p, h_p2 = _rows_tile(h, next_n, cfg["rows"])
+    groups = triton.cdiv(next_n, p)
+    block_n = cfg["block_n"]
+    warps = cfg["num_warps"] if (config and "num_warps" in config) or p * h_p2 <= 128 else 8
+    per, chunks = _split(
+        triton.cdiv(max_context_len, block_n), b * groups, _num_sms(q.device, num_sms) * cfg["progs_per_sm"]
+    )
+    _paged_mqa_logits_kernel[(b, chunks, groups)](
         q, q.stride(0), q.stride(1), q.stride(2), kv_cache, stride_blk, bs, nb, weights, weights.stride(0),
         weights.stride(1), context_lens, block_table, block_table.stride(0), block_table.shape[1], out,
-        out.stride(0), max_context_len, next_n, h,
-        D=d, NN_P2=triton.next_power_of_2(next_n), H_P2=max(triton.next_power_of_2(h), 16), BLOCK_N=block_n,
-        **dot_consts(interpreting(), loop=False), num_warps=4,
+        out.stride(0), max_context_len, next_n, h, per,
+        D=d, P=p, H_P2=h_p2, BLOCK_N=block_n, **_dot_meta(q.device, cfg["fp8_dot"]),
+        NUM_STAGES=cfg["num_stages"], num_warps=warps,
     )  # fmt: skip

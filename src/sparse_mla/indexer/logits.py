@@ -116,10 +116,12 @@ def fp8_mqa_logits(
 def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int, num_sms: int) -> torch.Tensor:
     """Schedule metadata for :func:`fp8_paged_mqa_logits` (DeepGEMM's call).
 
-    Our kernel needs no schedule (one program per request and 64-key chunk): this returns a
-    ``[2]`` int32 CPU tensor ``(block_size, num_sms)``, which :func:`fp8_paged_mqa_logits` checks
-    against its cache without a device synchronisation, so engines written for DeepGEMM keep
-    their two calls. (Moved to a GPU it is still accepted; the check is then skipped.)
+    Our kernel needs no per-request schedule (one program per request, group of query positions
+    and even share of the key tiles; the shares are sized so that there are about 16 programs per
+    SM): this returns a ``[2]`` int32 CPU tensor ``(block_size, num_sms)``, which
+    :func:`fp8_paged_mqa_logits` checks against its cache and uses to size its grid without a
+    device synchronisation, so engines written for DeepGEMM keep their two calls. (Moved to a GPU
+    it is still accepted; the check is then skipped and the device's own SM count sizes the grid.)
 
     Raises:
         TypeError / ValueError: ``context_lens`` not a 1-D int32 tensor, or a non-positive size.
@@ -197,6 +199,8 @@ def fp8_paged_mqa_logits(
         return fp8_paged_mqa_logits_reference(q, kv_cache, weights, ctx, block_table, max_context_len)
     from .kernels import launch_paged_mqa_logits
 
+    # the grid is sized for schedule_meta's SM count (read without a sync where it is on the CPU)
+    num_sms = int(schedule_meta[1]) if schedule_meta.device.type == "cpu" else None
     out = torch.empty(b * next_n, max_context_len, dtype=torch.float32, device=dev)
-    launch_paged_mqa_logits(_as_bytes(q), kv_cache, weights, ctx, block_table, out, max_context_len)
+    launch_paged_mqa_logits(_as_bytes(q), kv_cache, weights, ctx, block_table, out, max_context_len, num_sms)
     return out
