@@ -214,6 +214,109 @@ def test_nan_in_unused_cache_slots_never_reaches_the_logits():
     assert not torch.isnan(got).any() and torch.isfinite(got[:, :39]).all() and torch.isneginf(got[:, 41:]).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize(
+    "next_n, h, d, block_size, num_sms",
+    [(1, 3, 32, 64, 1), (2, 64, 128, 64, 1), (3, 20, 64, 16, 2), (4, 5, 16, 7, 132), (4, 128, 32, 64, 1)],
+)
+def test_paged_logits_corner_cases(next_n, h, d, block_size, num_sms):
+    # next_n 1..4, H not a multiple of 16 (and 128 with next_n 4: two groups of query positions),
+    # contexts shorter than one page, shorter than next_n, ending inside a tile, exactly on a page;
+    # num_sms 1 makes each program loop over several key tiles (and the fill of the -inf tail)
+    b, nb = 5, 30
+    cache, _ = fill_cache(nb, block_size, d, seed=next_n * 7 + h)
+    q = random_q((b, next_n, h, d), seed=h + d)
+    w = torch.randn(b * next_n, h, device=DEVICE)
+    ctx_list = [block_size // 2 + 1, max(next_n - 2, 0), 2 * block_size, 3 * block_size + 5, 1]
+    ctx = torch.tensor(ctx_list, dtype=torch.int32, device=DEVICE)
+    table = torch.randperm(nb, generator=torch.Generator().manual_seed(d))[: b * 6].view(b, 6).int().to(DEVICE)
+    max_len = 4 * block_size + 3
+    meta = flash_mla.get_paged_mqa_logits_metadata(ctx.cpu(), block_size, num_sms)
+    got = flash_mla.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_len)
+    want = fp8_paged_mqa_logits_reference(q, cache, w, ctx, table, max_len)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and not torch.isnan(got).any()
+    close_to(got, want, fp8_paged_mqa_logits_reference(q, cache, w.abs(), ctx, table, max_len))
+    for i, c in enumerate(ctx_list):  # query position p sees keys j <= c - next_n + p, exactly
+        for p in range(next_n):
+            seen = max(min(c - next_n + p + 1, c), 0)
+            row = got[i * next_n + p]
+            assert torch.isfinite(row[:seen]).all() and torch.isneginf(row[seen:]).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("h, d, s_q, s_kv", [(64, 128, 5, 300), (3, 32, 33, 129), (128, 16, 3, 64), (7, 64, 17, 1)])
+def test_mqa_logits_corner_cases(h, d, s_q, s_kv):
+    # partial key tiles, H not a multiple of 16, rows with no valid keys, ranges past s_kv,
+    # key tiles outside every row's range (skipped, -inf), tiles split over programs
+    q = random_q((s_q, h, d), seed=s_q + h)
+    kv = random_q((s_kv, d), seed=s_kv)
+    sc = torch.rand(s_kv, device=DEVICE) + 0.05
+    w = torch.randn(s_q, h, device=DEVICE)
+    g = torch.Generator().manual_seed(s_q)
+    ks = torch.randint(-3, s_kv + 2, (s_q,), generator=g)
+    ke = ks + torch.randint(-2, s_kv // 2 + 3, (s_q,), generator=g)
+    ks[0], ke[0] = 0, s_kv  # a full row
+    ks[-1], ke[-1] = s_kv, s_kv + 40  # an empty row past the keys
+    ks, ke = ks.int().to(DEVICE), ke.int().to(DEVICE)
+    got = flash_mla.fp8_mqa_logits(q, (kv, sc), w, ks, ke)
+    want = fp8_mqa_logits_reference(q, kv, sc, w, ks, ke)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and not torch.isnan(got).any()
+    close_to(got, want, fp8_mqa_logits_reference(q, kv, sc, w.abs(), ks, ke))
+    assert torch.isneginf(got[-1]).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("fp8_dot", [True, False])
+def test_logits_kernels_both_dot_paths(fp8_dot):
+    # the e4m3 dot (sm_89+) and the integer e4m3 decode of older GPUs give the twin's logits, on
+    # every e4m3 byte (subnormals, +-0, 448, NaN) and with several tiles per program
+    from sparse_mla.indexer.kernels import fp8_dot_supported, launch_mqa_logits, launch_paged_mqa_logits
+
+    if fp8_dot and not fp8_dot_supported(torch.device(DEVICE)):
+        pytest.skip("no e4m3 dot on this GPU")
+    d, h, s_kv = 16, 4, 256
+    kv8 = torch.arange(s_kv, dtype=torch.int32).to(torch.uint8).view(s_kv, 1).repeat(1, d)
+    kv8[:, 1:] = torch.randint(0, 256, (s_kv, d - 1), generator=torch.Generator().manual_seed(3)).to(torch.uint8)
+    if fp8_dot and not ON_GPU:  # Triton 3.6's interpreter reads e4m3 NaN bytes (0x7F, 0xFF) as +-480
+        kv8[(kv8 & 0x7F) == 0x7F] -= 1
+    nan_bytes = not (fp8_dot and not ON_GPU)
+    kv8 = kv8.to(DEVICE)
+    kv = kv8.view(torch.float8_e4m3fn)
+    q = random_q((6, h, d), seed=4)
+    sc = torch.rand(s_kv, device=DEVICE) + 0.1
+    w = torch.randn(6, h, device=DEVICE)
+    ks = torch.tensor([0, 3, 70, 0, 200, 256], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([256, 140, 71, 0, 256, 256], dtype=torch.int32, device=DEVICE)
+    out = torch.empty(6, s_kv, device=DEVICE)
+    cfg = dict(fp8_dot=fp8_dot, block_n=32, rows=16)
+    launch_mqa_logits(q.view(torch.uint8), kv8, sc, w, ks, ke, out, num_sms=1, config=cfg)
+    want = fp8_mqa_logits_reference(q, kv, sc, w, ks, ke)
+    assert torch.equal(torch.isnan(out), torch.isnan(want)) and bool(torch.isnan(want).any()) == nan_bytes
+    fin = ~torch.isnan(want)
+    close_to(
+        out[fin].view(1, -1),
+        want[fin].view(1, -1),
+        fp8_mqa_logits_reference(q, kv, sc, w.abs(), ks, ke)[fin].view(1, -1),
+    )
+    # the paged kernel on a cache holding the same bytes (NaN keys give NaN logits, as the twin)
+    bs, nb = 16, 16
+    cache = torch.empty(nb, bs, 1, d + 4, dtype=torch.uint8, device=DEVICE)
+    flat = cache.view(nb, -1)
+    flat[:, : bs * d] = kv8.view(nb, bs * d)
+    flat[:, bs * d :] = sc.view(nb, bs).contiguous().view(torch.uint8)
+    qp = random_q((2, 2, h, d), seed=5)
+    wp = torch.randn(4, h, device=DEVICE)
+    ctx = torch.tensor([256, 77], dtype=torch.int32, device=DEVICE)
+    table = torch.stack([torch.arange(nb), torch.arange(nb).flip(0)]).int().to(DEVICE)
+    outp = torch.empty(4, 260, device=DEVICE)
+    launch_paged_mqa_logits(qp.view(torch.uint8), cache, wp, ctx, table, outp, 260, num_sms=1, config=cfg)
+    wantp = fp8_paged_mqa_logits_reference(qp, cache, wp, ctx, table, 260)
+    assert torch.equal(torch.isnan(outp), torch.isnan(wantp)) and bool(torch.isnan(wantp).any()) == nan_bytes
+    fin = ~torch.isnan(wantp)
+    mag = fp8_paged_mqa_logits_reference(qp, cache, wp.abs(), ctx, table, 260)
+    close_to(outp[fin].view(1, -1), wantp[fin].view(1, -1), mag[fin].view(1, -1))
+
+
 # ------------------------------------------------------------------------------ top-k
 
 
@@ -232,6 +335,30 @@ def test_topk_matches_twin_and_tie_rule(k):
     if k >= 5:
         assert (got[3] == -1).all() and got[4, 0] == 199 and (got[4, 1:] == -1).all()
         assert got[5, :3].tolist() == sorted(range(3), key=lambda j: (-float(x[5, j]), j))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(1, 1), (257, 16), (5000, 300), (700, 700), (900, 2048)])
+def test_topk_random_rows_with_ties_match_twin(n, k, dtype):
+    # the select kernel's radix passes and chunked compaction (several chunks at n=5000) on rows
+    # with many exact ties at the k-th value, +-inf, NaN, +-0, ranges clipped, empty and short
+    g = torch.Generator().manual_seed(n + k)
+    rows = 7
+    x = (torch.randn(rows, n, generator=g) * 4).round() / 4  # few distinct values: ties everywhere
+    x[0] = 1.5  # one row entirely tied
+    x[1, ::3] = float("-inf")
+    x[2, ::5] = float("nan")
+    x[3, ::2] = -0.0
+    x[4, : n // 2] = float("inf")
+    x = x.to(dtype)
+    lo = torch.randint(-5, max(n // 3, 1), (rows,), generator=g)
+    hi = lo + torch.randint(0, n + 10, (rows,), generator=g)
+    lo[5], hi[5] = n // 2, n // 2  # empty
+    lo[6], hi[6] = 0, n  # whole row
+    got = flash_mla.topk_indices(x.to(DEVICE), k, lo.to(DEVICE), hi.to(DEVICE))
+    want = topk_indices_reference(x.float(), k, lo, hi)
+    assert torch.equal(got.cpu(), want.cpu())
+    assert torch.equal(flash_mla.topk_indices(x.to(DEVICE), k).cpu(), topk_indices_reference(x.float(), k).cpu())
 
 
 def test_topk_kvcache_indices_are_decode_indices():

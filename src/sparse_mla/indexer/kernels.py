@@ -237,7 +237,9 @@ def _paged_mqa_logits_kernel(
     qm = (pp[:, None] < next_n) & (hh[None, :] < H)
     qoff = tl.reshape(pp[:, None] * stride_qn + hh[None, :] * stride_qh, [P * H_P2])
     qm1 = tl.reshape(qm, [P * H_P2])
-    q = _e4m3_operand(q_ptr + i.to(tl.int64) * stride_qb + qoff[:, None] + dd[None, :], qm1[:, None], FP8_DOT, DOT_DTYPE)
+    q = _e4m3_operand(
+        q_ptr + i.to(tl.int64) * stride_qb + qoff[:, None] + dd[None, :], qm1[:, None], FP8_DOT, DOT_DTYPE
+    )
     q_t = tl.trans(q)
     orow = (i * next_n + pp).to(tl.int64)
     w = tl.reshape(tl.load(w_ptr + orow[:, None] * stride_wr + hh[None, :] * stride_wh, mask=qm, other=0.0), [P * H_P2])
@@ -358,4 +360,127 @@ def launch_paged_mqa_logits(
         out.stride(0), max_context_len, next_n, h, per,
         D=d, P=p, H_P2=h_p2, BLOCK_N=block_n, **_dot_meta(q.device, cfg["fp8_dot"]),
         NUM_STAGES=cfg["num_stages"], num_warps=warps,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ top-k
+#
+# One program per row: the k-th best key of the row's [lo, hi) by a radix select (four passes of
+# 8-bit histograms over the order-preserving 32-bit key of each logit), then one pass that writes
+# every entry above it and the lowest-position entries equal to it (as many as still needed) as
+# int64 rank keys ``key32 << 32 | (2^32 - 1 - position)`` into the row's k slots; the caller sorts
+# those k keys (descending) to rank order. Same rank keys as :func:`.topk.rank_keys`.
+
+
+@triton.jit
+def _key32(x):
+    """Signed int32 keys in the ranking order of fp32 ``x``: larger first, ``-0.0 == +0.0``, NaN
+    just below ``-inf``."""
+    v = x + 0.0  # -0.0 -> +0.0
+    bits = v.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return tl.where(v != v, -2139095042, key)  # (-inf's key) - 1
+
+
+@triton.jit
+def _row_chunk(row_ptr, start, lo, hi, BLOCK: tl.constexpr):
+    pos = start + tl.arange(0, BLOCK)
+    valid = (pos >= lo) & (pos < hi)
+    x = tl.load(row_ptr + pos, mask=valid, other=0.0).to(tl.float32)
+    key = _key32(x)
+    ukey = (key ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order
+    return pos, valid, key, ukey
+
+
+@triton.jit
+def _hist_chunk(hist, row_ptr, start, lo, hi, prefix, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    _pos, valid, _key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+    if SHIFT < 24:
+        valid = valid & ((ukey >> (SHIFT + 8)) == prefix)
+    digit = ((ukey >> SHIFT) & 0xFF).to(tl.int32)
+    return hist + tl.histogram(digit, 256, mask=valid)
+
+
+@triton.jit
+def _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, SHIFT: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr):
+    """One digit of the select: among keys whose bits above ``SHIFT + 8`` are ``prefix``, the
+    digit ``d`` holding the ``rem``-th largest; returns ``(prefix << 8 | d, rem - count above d)``."""
+    hist = tl.zeros([256], tl.int32)
+    if FOR_LOOP:
+        for start in tl.range(c_lo, hi, BLOCK, num_stages=2):
+            hist = _hist_chunk(hist, row_ptr, start, lo, hi, prefix, SHIFT, BLOCK)
+    else:
+        start = c_lo
+        while start < hi:
+            hist = _hist_chunk(hist, row_ptr, start, lo, hi, prefix, SHIFT, BLOCK)
+            start += BLOCK
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # count with digit >= d
+    d = tl.sum((at_or_above >= rem).to(tl.int32), axis=0) - 1
+    bins = tl.arange(0, 256)
+    above = tl.sum(tl.where(bins > d, hist, 0), axis=0)
+    return (prefix << 8) | d.to(tl.uint32), rem - above
+
+
+@triton.jit
+def _select_chunk(row_ptr, start, lo, hi, kth, need_eq, n_gt, n_eq, dst, BLOCK: tl.constexpr):
+    pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+    gt = valid & (ukey > kth)
+    eq = valid & (ukey == kth)
+    eq_i = eq.to(tl.int32)
+    eq_rank = n_eq + tl.cumsum(eq_i, axis=0) - eq_i  # equal entries before this one
+    sel = gt | (eq & (eq_rank < need_eq))
+    sel_i = sel.to(tl.int32)
+    slot = n_gt + tl.cumsum(sel_i, axis=0) - sel_i
+    comp = key.to(tl.int64) * 4294967296 + (4294967295 - pos.to(tl.int64))
+    tl.store(dst + slot, comp, mask=sel)
+    return n_gt + tl.sum(sel_i, axis=0), n_eq + tl.sum(eq_i, axis=0)
+
+
+@triton.jit
+def _topk_select_kernel(
+    x_ptr, stride_xr, lo_ptr, hi_ptr, dst_ptr, stride_dr, n, k,
+    BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(rows,)``: row ``r``'s ``min(k, hi - lo)`` best entries as rank keys into
+    ``dst[r, :]`` (unordered; the remaining slots untouched)."""
+    r = tl.program_id(0)
+    row_ptr = x_ptr + r.to(tl.int64) * stride_xr
+    lo = tl.minimum(tl.maximum(tl.load(lo_ptr + r), 0), n).to(tl.int32)
+    hi = tl.minimum(tl.maximum(tl.load(hi_ptr + r), lo), n).to(tl.int32)
+    kk = tl.minimum(hi - lo, k)
+    if kk > 0:
+        c_lo = (lo // BLOCK) * BLOCK
+        prefix = tl.zeros([], tl.uint32)
+        prefix, rem = _radix_pass(row_ptr, lo, hi, c_lo, prefix, kk, 24, BLOCK, FOR_LOOP)
+        prefix, rem = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 16, BLOCK, FOR_LOOP)
+        prefix, rem = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 8, BLOCK, FOR_LOOP)
+        kth, need_eq = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, BLOCK, FOR_LOOP)
+        dst = dst_ptr + r.to(tl.int64) * stride_dr
+        n_gt = tl.zeros([], tl.int32)
+        n_eq = tl.zeros([], tl.int32)
+        if FOR_LOOP:
+            for start in tl.range(c_lo, hi, BLOCK, num_stages=2):
+                n_gt, n_eq = _select_chunk(row_ptr, start, lo, hi, kth, need_eq, n_gt, n_eq, dst, BLOCK)
+        else:
+            start = c_lo
+            while start < hi:
+                n_gt, n_eq = _select_chunk(row_ptr, start, lo, hi, kth, need_eq, n_gt, n_eq, dst, BLOCK)
+                start += BLOCK
+
+
+#: launch parameters of the top-k select (``block`` row entries a step)
+TOPK_CONFIG = dict(block=4096, num_warps=8)
+
+
+def launch_topk_select(logits, lo, hi, dst, k, config=None) -> None:
+    """``logits [rows, n]`` (row stride any, entries contiguous), ``lo``/``hi`` ``[rows]`` int64,
+    ``dst [rows, >= k]`` int64 pre-filled with the smallest int64: each row's best
+    ``min(k, hi - lo)`` rank keys, unordered."""
+    require_runnable(_topk_select_kernel, logits.device, _key32, _row_chunk, _hist_chunk, _radix_pass, _select_chunk)
+    cfg = {**TOPK_CONFIG, **(config or {})}
+    rows, n = logits.shape
+    block = min(cfg["block"], max(triton.next_power_of_2(n), 256))
+    _topk_select_kernel[(rows,)](
+        logits, logits.stride(0), lo, hi, dst, dst.stride(0), n, k,
+        BLOCK=block, FOR_LOOP=not interpreting(), num_warps=cfg["num_warps"],
     )  # fmt: skip

@@ -3,9 +3,13 @@
 Ranking rule (exact, deterministic): larger logit first; equal logits by smaller position; NaN
 after ``-inf``; ``-0.0`` equals ``+0.0``. Only positions in a row's ``[row_starts[r], row_ends[r])``
 (default the whole row) are candidates; a row with fewer than ``k`` candidates gets ``-1`` in its
-last entries. Implementation: each logit becomes one int64 key (the float's order-preserving bits
-above the inverted position), so one ``torch.topk`` over distinct keys gives the exact set in
-rank order, with no tie ambiguity (no host synchronisation; CUDA-graph safe). Twin:
+last entries. Implementation: each logit becomes one int64 rank key (the float's order-preserving
+32 bits above the inverted position), all distinct, so the set is exact with no tie ambiguity.
+On CUDA (and under the interpreter) a Triton kernel (:func:`.kernels.launch_topk_select`, one
+program per row) finds the row's k-th best 32-bit key by a radix select and writes the rank keys
+of the entries above it plus the lowest-position entries equal to it, and one ``torch.sort`` of
+those k keys per row gives the rank order; elsewhere one ``torch.topk`` over all the rank keys
+(:func:`rank_keys`). No host synchronisation (CUDA-graph safe). Twin:
 :func:`sparse_mla.indexer.reference.topk_indices_reference`.
 """
 
@@ -16,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..runtime import use_triton
 from ..serving.reference import abs_indices_to_kvcache_indices
 from .checks import check_tensor_arg
 
@@ -80,8 +85,15 @@ def topk_indices(
     kk = min(int(k), n)
     if rows == 0 or kk == 0:
         return out
-    keys = rank_keys(logits, lo, hi)
-    top = torch.topk(keys, kk, dim=1, largest=True, sorted=True).values
+    if use_triton(dev):  # the select kernel writes each row's best kk rank keys, unordered
+        from .kernels import launch_topk_select
+
+        x = logits if logits.stride(1) == 1 else logits.contiguous()
+        sel = torch.full((rows, kk), torch.iinfo(torch.int64).min, dtype=torch.int64, device=dev)
+        launch_topk_select(x, lo.contiguous(), hi.contiguous(), sel, kk)
+        top = torch.sort(sel, dim=1, descending=True).values
+    else:
+        top = torch.topk(rank_keys(logits, lo, hi), kk, dim=1, largest=True, sorted=True).values
     pos = (_LOW - (top & _LOW)).to(torch.int32)
     count = (hi - lo).clamp(min=0).view(-1, 1)
     rank = torch.arange(kk, device=dev).view(1, -1)
