@@ -72,8 +72,22 @@ def bench_topk(quick: bool, copy_gbs: float) -> dict:
     x = torch.randn(rows, n, device="cuda")
     us = harness.median_us(lambda: flash_mla.topk_indices(x, k), quick)
     us_torch = harness.median_us(lambda: torch.topk(x, k, dim=1), quick)
+    # the fused variant (decode rows: b=128 x next_n=2, cache slots through a 64-token-page table)
+    table = torch.randperm(rows // 2 * (n // 64), device="cuda").view(rows // 2, n // 64).int()
+    us_kv = harness.median_us(lambda: flash_mla.topk_kvcache_indices(x, k, table, 64, 2), quick)
     read_us = rows * n * 4 / (copy_gbs * 1e9) * 1e6
-    return dict(kind="topk", rows=rows, n=n, k=k, us=us, us_torch_topk=us_torch, read_us=read_us, x_read=us / read_us)
+    return dict(
+        kind="topk",
+        rows=rows,
+        n=n,
+        k=k,
+        us=us,
+        us_torch_topk=us_torch,
+        us_kvcache_indices=us_kv,
+        read_us=read_us,
+        x_read=us / read_us,
+        x_torch=us / us_torch,
+    )
 
 
 def main(argv=None) -> int:

@@ -272,7 +272,7 @@ def _paged_mqa_logits_kernel(
 #: padded to powers of two), ``progs_per_sm`` programs to aim for per SM (the key range is split
 #: until there are that many), ``fp8_dot`` None = by device (sm_89+ and the interpreter)
 PREFILL_CONFIG = dict(block_n=128, rows=128, num_warps=8, num_stages=3, progs_per_sm=4, fp8_dot=None)
-PAGED_CONFIG = dict(block_n=64, rows=256, num_warps=4, num_stages=3, progs_per_sm=16, fp8_dot=None)
+PAGED_CONFIG = dict(block_n=64, rows=256, num_warps=4, num_stages=4, progs_per_sm=16, fp8_dot=None)
 
 
 def fp8_dot_supported(device: torch.device) -> bool:
@@ -350,7 +350,10 @@ def launch_paged_mqa_logits(
     p, h_p2 = _rows_tile(h, next_n, cfg["rows"])
     groups = triton.cdiv(next_n, p)
     block_n = cfg["block_n"]
-    warps = cfg["num_warps"] if (config and "num_warps" in config) or p * h_p2 <= 128 else 8
+    meta = _dot_meta(q.device, cfg["fp8_dot"])
+    # more than 128 rows (or 128 fp16 rows: spills on sm_80) take two warpgroups unless told otherwise
+    big = p * h_p2 > (128 if meta["FP8_DOT"] else 64)
+    warps = cfg["num_warps"] if (config and "num_warps" in config) or not big else 8
     per, chunks = _split(
         triton.cdiv(max_context_len, block_n), b * groups, _num_sms(q.device, num_sms) * cfg["progs_per_sm"]
     )
@@ -358,7 +361,7 @@ def launch_paged_mqa_logits(
         q, q.stride(0), q.stride(1), q.stride(2), kv_cache, stride_blk, bs, nb, weights, weights.stride(0),
         weights.stride(1), context_lens, block_table, block_table.stride(0), block_table.shape[1], out,
         out.stride(0), max_context_len, next_n, h, per,
-        D=d, P=p, H_P2=h_p2, BLOCK_N=block_n, **_dot_meta(q.device, cfg["fp8_dot"]),
+        D=d, P=p, H_P2=h_p2, BLOCK_N=block_n, **meta,
         NUM_STAGES=cfg["num_stages"], num_warps=warps,
     )  # fmt: skip
 

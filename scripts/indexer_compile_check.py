@@ -1,0 +1,130 @@
+"""Offline compile check of the indexer's ``tl`` kernels (no GPU needed).
+
+    PYTHONPATH=src python3 scripts/indexer_compile_check.py [--arch 90] [--dump DIR]
+
+Compiles the paged and prefill logits kernels (DeepSeek-V3.2 shapes: H 64, D 128, next_n 1, 2, 4)
+and the top-k select kernel with their default launch parameters for ``GPUTarget("cuda", arch, 32)``,
+assembles the PTX with the ptxas shipped with Triton and prints, per kernel: registers, spills,
+shared memory, and the MMA / async-copy instructions in the PTX (wgmma with e4m3 operands on sm_90,
+mma on sm_80/89, cp.async for the pipelined loads). Exit code 1 if a kernel fails to compile, spills
+more than ``--max-spill`` bytes, or (sm_89+) the logits kernels have no FP8 MMA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sparse_mla.indexer import kernels as K
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTRS = {
+    "q_ptr": "*u8",
+    "kv_ptr": "*u8",
+    "cache_ptr": "*u8",
+    "scale_ptr": "*fp32",
+    "w_ptr": "*fp32",
+    "ks_ptr": "*i32",
+    "ke_ptr": "*i32",
+    "ctx_ptr": "*i32",
+    "bt_ptr": "*i32",
+    "out_ptr": "*fp32",
+    "x_ptr": "*fp32",
+    "lo_ptr": "*i64",
+    "hi_ptr": "*i64",
+    "dst_ptr": "*i64",
+}
+UNIT = {"stride_wh", "stride_qh"}  # may be 1 at run time; keep them plain i32
+
+
+def compile_one(kern, consts: dict, num_warps: int, arch: int):
+    names = list(inspect.signature(kern.fn).parameters)
+    sig = {n: PTRS.get(n, "constexpr" if n in consts else "i32") for n in names}
+    div16 = [n for n in names if n in PTRS or ((n.startswith("stride") or n in ("bs",)) and n not in UNIT)]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
+
+
+def cases(arch: int):
+    fp8 = arch >= 89
+    dot = dict(FP8_DOT=fp8, DOT_DTYPE=tl.float16, DOT_PREC=None, FOR_LOOP=True)
+    pc = K.PAGED_CONFIG
+    for next_n in (1, 2, 4):
+        p, h_p2 = K._rows_tile(64, next_n, pc["rows"])
+        warps = pc["num_warps"] if p * h_p2 <= (128 if fp8 else 64) else 8
+        consts = dict(D=128, P=p, H_P2=h_p2, BLOCK_N=pc["block_n"], NUM_STAGES=pc["num_stages"], **dot)
+        yield f"paged next_n={next_n} H=64 D=128", K._paged_mqa_logits_kernel, consts, warps
+    fc = K.PREFILL_CONFIG
+    bq, h_p2 = K._rows_tile(64, 4096, fc["rows"])
+    consts = dict(D=128, BQ=bq, H_P2=h_p2, BLOCK_N=fc["block_n"], NUM_STAGES=fc["num_stages"], **dot)
+    yield "prefill H=64 D=128", K._mqa_logits_kernel, consts, fc["num_warps"]
+    tc = K.TOPK_CONFIG
+    yield "topk select", K._topk_select_kernel, dict(BLOCK=tc["block"], FOR_LOOP=True), tc["num_warps"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90, 89, 80)")
+    ap.add_argument("--dump", default=None, help="directory for ttgir/ptx per kernel")
+    ap.add_argument("--max-spill", type=int, default=0)
+    a = ap.parse_args()
+    dump = a.dump or tempfile.mkdtemp(prefix="indexer_cc_")
+    os.makedirs(dump, exist_ok=True)
+    ptxas_arch = f"sm_{a.arch}a" if a.arch == 90 else f"sm_{a.arch}"
+    ok = True
+    for name, kern, consts, warps in cases(a.arch):
+        tag = re.sub(r"[^a-z0-9]+", "_", name.lower())
+        try:
+            k = compile_one(kern, consts, warps, a.arch)
+        except Exception as e:  # noqa: BLE001 (report and go on)
+            print(f"{name}: COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
+            ok = False
+            continue
+        for ext in ("ttgir", "ptx"):
+            with open(os.path.join(dump, f"{tag}.{ext}"), "w") as f:
+                f.write(k.asm[ext])
+        ptx = k.asm["ptx"]
+        counts = {
+            pat: len(re.findall(re.escape(pat), ptx))
+            for pat in ("wgmma.mma_async", "e4m3", "mma.sync", "cp.async", "ld.global.v4", "bar.sync", "shfl.sync")
+        }
+        ptx_path = os.path.join(dump, f"{tag}.ptx")
+        r = subprocess.run(
+            [os.path.join(BIN, "ptxas"), f"-arch={ptxas_arch}", "-v", ptx_path, "-o", ptx_path + ".cubin"],
+            capture_output=True,
+            text=True,
+        )
+        regs = re.search(r"Used (\d+) registers", r.stderr)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+        st, ld = (int(spill.group(1)), int(spill.group(2))) if spill else (-1, -1)
+        print(
+            f"{name}: warps={warps} regs={regs.group(1) if regs else '?'} spill st/ld={st}/{ld} "
+            f"smem={k.metadata.shared} B  " + " ".join(f"{p}={c}" for p, c in counts.items())
+        )
+        if r.returncode != 0:
+            print("  ptxas failed:", r.stderr[-2000:])
+            ok = False
+        if st > a.max_spill or ld > a.max_spill:
+            ok = False
+        if name != "topk select" and a.arch >= 89:
+            fp8_mma = counts["wgmma.mma_async"] if a.arch == 90 else counts["mma.sync"]
+            if not fp8_mma or not counts["e4m3"]:
+                print("  no FP8 MMA in the PTX")
+                ok = False
+    print(f"ptx/ttgir in {dump}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
