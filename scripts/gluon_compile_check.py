@@ -46,6 +46,7 @@ PTRS = {
     "lse_ptr": "*fp32",
     "oacc_ptr": "*fp32",
     "lacc_ptr": "*fp32",
+    "ml_ptr": "*fp32",
 }
 # strides that are 1 at run time (Triton specialises them as constants; keep them plain i32 here)
 UNIT = {"stride_it", "x_stride_it", "stride_ls", "stride_lsq"}
@@ -71,6 +72,7 @@ def compile_kernel(
         HAS_EXTRA=extra,
         HAS_EXTRA_LEN=extra and has_topk_len,
         HAS_SINK=has_sink,
+        HAS_MAX_LOGITS=False,
         PBS_POW2=pbs_pow2,
         PBS_LOG2=pbs_log2,
         ALIGN=16,

@@ -205,6 +205,34 @@ def test_auto_runs_the_kernel_where_triton_runs():
     assert resolve_prefill_backend(validate_sparse_prefill(q, kv, idx, 0.1)) == ("portable" if KERNELS else "reference")
 
 
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+def test_hopper_backend_refuses_what_it_cannot_run():
+    q, kv, idx, _ = make_case(2, 16, 8, seed=15)  # bf16 rows
+    why = "reads the FP8 paged cache only" if ON_HOPPER else "needs "
+    with pytest.raises(ValueError, match=f"^backend: 'hopper' {why}"):
+        flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.1, backend="hopper")
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("d_qk", [576, 512])
+@pytest.mark.parametrize("h_q", [128, 40])
+def test_hopper_backend_on_the_fp8_cache(d_qk, h_q):
+    from sparse_mla.prefill import validate_sparse_prefill
+    from sparse_mla.prefill.run import resolve_prefill_backend
+
+    lens = torch.randint(0, 400, (37,), generator=torch.Generator().manual_seed(d_qk + h_q)).tolist()
+    lens[:3] = [0, 300, 1]
+    q, kv, idx, kw = make_case(37, h_q, 300, d_qk=d_qk, form="fp8", s_kv=2000, seed=21, topk_length=lens, sink=True)
+    assert resolve_prefill_backend(validate_sparse_prefill(q, kv, idx, 0.1)) == "hopper"
+    out, ml, lse = run_and_check(q, kv, idx, backend="hopper", **kw)
+    assert torch.isposinf(lse[0]).all() and torch.isneginf(ml[0]).all() and (out[0].float() == 0).all()
+    # the same call through the portable kernel: same keys, same answer within FlashMLA's tolerances
+    po, pm, pl = flash_mla.flash_mla_sparse_fwd(q, kv, idx, d_qk**-0.5, backend="portable", **kw)
+    check_prefill_close(out, ml, lse, po.float(), pm, pl)
+
+
 @needs_kernels
 def test_non_finite_queries():
     q, kv, idx, kw = make_case(2, 16, 64, seed=8)

@@ -158,8 +158,9 @@ def flash_mla_sparse_fwd(
         topk_length: ``[s_q]`` int32: query token i uses only ``indices[i, 0, :topk_length[i]]``
             (values past ``topk`` count as ``topk``, below 0 as 0). Rows past it are never read,
             so NaN there cannot reach the output.
-        backend: ``"auto"``, ``"portable"`` (Triton kernel; CUDA, or CPU under
-            ``TRITON_INTERPRET=1``) or ``"reference"`` (fp32 PyTorch); keyword only.
+        backend: ``"auto"``, ``"hopper"`` (the decode's Gluon kernel; sm_90 GPUs, ``kv`` the FP8
+            paged cache; what ``"auto"`` picks there), ``"portable"`` (Triton kernel; CUDA, or CPU
+            under ``TRITON_INTERPRET=1``) or ``"reference"`` (fp32 PyTorch); keyword only.
 
     Returns:
         ``out [s_q, h_q, 512]`` bf16; ``max_logits [s_q, h_q]`` fp32, the max of ``q·k·sm_scale``

@@ -340,6 +340,7 @@ def _consumer(
     lse,
     o_acc,
     lse_acc,
+    max_logits,
     scale_log2,
     h_q,
     q_smem,
@@ -349,6 +350,7 @@ def _consumer(
     IS_V32: gl.constexpr,
     HAS_EXTRA: gl.constexpr,
     HAS_SINK: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr,
     PROFILE: gl.constexpr,
 ):
     """QKᵀ, online softmax and P·V over the staged K tiles; writes out/lse or the split partials."""
@@ -358,6 +360,7 @@ def _consumer(
     lse_ptr, stride_lb, stride_lh, stride_ls = lse
     oacc_ptr, stride_ar, stride_as, stride_ah = o_acc
     lacc_ptr, stride_lr, stride_lsq = lse_acc
+    ml_ptr, stride_mlb, stride_mlh = max_logits
     k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
     NW: gl.constexpr = gl.num_warps()
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4], instr_shape=[16, 32, 16])
@@ -461,6 +464,12 @@ def _consumer(
             gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
             lse_v = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
             gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse_v, mask=hmask_s)
+            if HAS_MAX_LOGITS:  # (sparse prefill: s_q 1, never split) max of q·k·sm_scale, -inf for no key
+                gl.store(
+                    ml_ptr + req.to(gl.int64) * stride_mlb + heads_s * stride_mlh,
+                    m_i * 0.6931471805599453,
+                    mask=hmask_s,
+                )
         else:
             row = (split_base + split).to(gl.int64)
             o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, OROW), 1)
@@ -524,6 +533,9 @@ def _sparse_decode_gluon_kernel(
     lacc_ptr,
     stride_lr,
     stride_lsq,
+    ml_ptr,
+    stride_mlb,
+    stride_mlh,
     scale_log2,
     h_q,
     IS_V32: gl.constexpr,
@@ -531,6 +543,7 @@ def _sparse_decode_gluon_kernel(
     HAS_EXTRA: gl.constexpr,
     HAS_EXTRA_LEN: gl.constexpr,
     HAS_SINK: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr,
     PBS_POW2: gl.constexpr,
     PBS_LOG2: gl.constexpr,
     ALIGN: gl.constexpr,
@@ -570,6 +583,7 @@ def _sparse_decode_gluon_kernel(
                     (lse_ptr, stride_lb, stride_lh, stride_ls),
                     (oacc_ptr, stride_ar, stride_as, stride_ah),
                     (lacc_ptr, stride_lr, stride_lsq),
+                    (ml_ptr, stride_mlb, stride_mlh),
                     scale_log2,
                     h_q,
                     q_smem,
@@ -579,6 +593,7 @@ def _sparse_decode_gluon_kernel(
                     IS_V32,
                     HAS_EXTRA,
                     HAS_SINK,
+                    HAS_MAX_LOGITS,
                     PROFILE,
                 ),
             ),
@@ -631,6 +646,7 @@ def launch(
     table: ScheduleTable,
     config: HopperConfig | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the warp-specialised kernel, and the combine kernel when some batch is split.
 
@@ -640,6 +656,9 @@ def launch(
         config: launch parameters (default :class:`HopperConfig`).
         workspace: ``(o_accum, lse_accum)`` of at least ``table.num_acc_rows`` rows
             (:func:`.workspace.split_accumulators`), or None to allocate them.
+        max_logits: ``[b, h_q]`` fp32 (any strides) to also receive each row's largest
+            ``q·k·sm_scale`` (-inf for a row with no valid key), or None. Only for ``s_q = 1``
+            and a schedule that splits nothing (the sparse prefill's use).
 
     Returns:
         ``out [b, s_q, h_q, 512]`` bf16, ``lse [b, h_q, s_q]`` fp32.
@@ -652,6 +671,11 @@ def launch(
     dev = q.device
     out, lse = output_tensors(p)
     o_acc, l_acc = workspace or split_accumulators(table.num_acc_rows, s_q, h_q, p.d_v, dev)
+    if max_logits is not None:
+        assert s_q == 1 and not table.any_split, "max_logits: only for s_q = 1 and unsplit schedules"
+        ml = (max_logits, max_logits.stride(0), max_logits.stride(1))
+    else:
+        ml = (l_acc, 0, 0)  # never written
     raw = cache_bytes(p.k_cache)
     pbs = raw.shape[1]
     pow2 = pbs & (pbs - 1) == 0
@@ -699,6 +723,7 @@ def launch(
         l_acc,
         l_acc.stride(0),
         l_acc.stride(1),
+        *ml,
         p.sm_scale * LOG2E,
         h_q,
     )
@@ -709,6 +734,7 @@ def launch(
         HAS_EXTRA=p.extra_k_cache is not None,
         HAS_EXTRA_LEN=p.extra_topk_length is not None,
         HAS_SINK=p.attn_sink is not None,
+        HAS_MAX_LOGITS=max_logits is not None,
         PBS_POW2=pow2,
         PBS_LOG2=pbs.bit_length() - 1 if pow2 else 0,
         PRODUCER_WARPS=config.producer_warps,

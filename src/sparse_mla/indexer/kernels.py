@@ -285,9 +285,11 @@ def fp8_dot_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _dot_meta(device: torch.device, fp8_dot: bool | None) -> dict:
+def _dot_meta(device: torch.device, fp8_dot: bool | None, d: int) -> dict:
     interp = interpreting()
     fp8 = fp8_dot_supported(device) if fp8_dot is None else bool(fp8_dot)
+    # e4m3 tensor-core dots need K >= 32 (wgmma's k step): head_dim 16 takes the fp16 decode path
+    fp8 = fp8 and (interp or d >= 32)
     wide = tl.float32 if interp else tl.float16  # the interpreter's half-precision dots are wrong
     return dict(
         FP8_DOT=fp8,
@@ -333,7 +335,7 @@ def launch_mqa_logits(q, kv, kv_scale, weights, ks, ke, out, num_sms=None, confi
     _mqa_logits_kernel[(n_qb, splits)](
         q, q.stride(0), q.stride(1), kv, kv.stride(0), kv_scale, weights, weights.stride(0), weights.stride(1),
         ks, ke, out, out.stride(0), s_q, s_kv, h, per,
-        D=d, BQ=bq, H_P2=h_p2, BLOCK_N=block_n, **_dot_meta(q.device, cfg["fp8_dot"]),
+        D=d, BQ=bq, H_P2=h_p2, BLOCK_N=block_n, **_dot_meta(q.device, cfg["fp8_dot"], d),
         NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
     )  # fmt: skip
 
@@ -350,7 +352,7 @@ def launch_paged_mqa_logits(
     p, h_p2 = _rows_tile(h, next_n, cfg["rows"])
     groups = triton.cdiv(next_n, p)
     block_n = cfg["block_n"]
-    meta = _dot_meta(q.device, cfg["fp8_dot"])
+    meta = _dot_meta(q.device, cfg["fp8_dot"], d)
     # more than 128 rows (or 128 fp16 rows: spills on sm_80) take two warpgroups unless told otherwise
     big = p * h_p2 > (128 if meta["FP8_DOT"] else 64)
     warps = cfg["num_warps"] if (config and "num_warps" in config) or not big else 8

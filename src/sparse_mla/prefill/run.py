@@ -1,19 +1,33 @@
 """Which implementation runs a sparse prefill, and the empty call (stage 2 of the prefill path).
 
-``backend="auto"``: the portable Triton kernel where Triton runs the tensors (CUDA, or the CPU
-under ``TRITON_INTERPRET=1``), else the fp32 PyTorch reference (results rounded to bf16).
+``backend="auto"``: on an sm_90 GPU with ``kv`` the FP8 paged cache, the decode's Gluon kernel
+(:mod:`.hopper`); else the portable Triton kernel where Triton runs the tensors (CUDA, or the CPU
+under ``TRITON_INTERPRET=1``); else the fp32 PyTorch reference (results rounded to bf16).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..runtime import use_triton
+from ..runtime import interpreting, use_triton
 from .problem import PrefillProblem
 
 __all__ = ["PREFILL_BACKENDS", "resolve_prefill_backend", "run_prefill"]
 
-PREFILL_BACKENDS = ("portable", "reference")
+PREFILL_BACKENDS = ("hopper", "portable", "reference")
+
+
+def hopper_unsupported(p: PrefillProblem) -> str | None:
+    """Why the ``hopper`` prefill cannot run ``p`` (None when it can)."""
+    dev = p.q.device
+    if dev.type != "cuda" or interpreting():
+        return "needs a CUDA device and compiled kernels (not TRITON_INTERPRET=1)"
+    major, minor = torch.cuda.get_device_capability(dev)
+    if major != 9:
+        return f"needs an sm_90 (Hopper) GPU, this one is sm_{major}{minor}"
+    if not p.kv_fp8:
+        return "reads the FP8 paged cache only (kv is bf16 rows here)"
+    return None
 
 
 def resolve_prefill_backend(p: PrefillProblem, backend: str = "auto") -> str:
@@ -26,9 +40,13 @@ def resolve_prefill_backend(p: PrefillProblem, backend: str = "auto") -> str:
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
     if backend == "auto":
+        if hopper_unsupported(p) is None:
+            return "hopper"
         return "portable" if use_triton(p.q.device) else "reference"
     if backend not in PREFILL_BACKENDS:
         raise ValueError(f"backend: expected 'auto' or one of {list(PREFILL_BACKENDS)}, got {backend!r}")
+    if backend == "hopper" and (why := hopper_unsupported(p)) is not None:
+        raise ValueError(f"backend: 'hopper' {why}")
     if backend == "portable" and not use_triton(p.q.device):
         raise ValueError(
             "backend: the 'portable' backend runs CPU tensors only under Triton's interpreter "
@@ -47,6 +65,10 @@ def run_prefill(p: PrefillProblem, backend: str = "auto") -> tuple[torch.Tensor,
     if s_q == 0:
         empty = torch.empty(0, h_q, dtype=torch.float32, device=dev)
         return torch.empty(0, h_q, p.d_v, dtype=torch.bfloat16, device=dev), empty, empty.clone()
+    if name == "hopper":
+        from .hopper import launch as hopper_launch
+
+        return hopper_launch(p)
     if name == "portable":
         from .portable import launch
 
