@@ -8,6 +8,11 @@ For each small-batch shape (where eager calls are host-bound) it reports, in µs
   the backend's launch (allocations, argument packing, Triton's launcher);
 * ``stub``: the same call with the backend's launch replaced by a function returning ready
   outputs (the Python path without Triton; this mode also runs on a CPU);
+* ``stub_launch``: the same call on the Hopper backend with only Triton's compiled launcher stubbed
+  (:mod:`sparse_mla.decode.launch_stub`): our whole Python path including our side of the two
+  launches (argument packing, specialisation checks), up to the C launcher; also on a CPU, where
+  the kernel modules are then loaded under ``TRITON_INTERPRET=1`` (nothing is interpreted: no
+  kernel runs);
 * on CUDA: the eager time (``triton.testing.do_bench``, as ``benchmarks.decode``), the graph
   replay time, and a cProfile of the call (``--profile``).
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import sys
@@ -27,13 +33,16 @@ from collections.abc import Callable
 
 import torch
 
-import sparse_mla as flash_mla
-from sparse_mla.decode import backends as backends_mod
-from sparse_mla.plan import ensure_plan
-from sparse_mla.problem import validate_sparse_decode
+if not torch.cuda.is_available():  # CPU-only: the stub modes need kernel modules defined interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from . import harness
-from .harness import DecodeShape
+import sparse_mla as flash_mla  # noqa: E402
+from sparse_mla.decode import backends as backends_mod  # noqa: E402
+from sparse_mla.plan import ensure_plan  # noqa: E402
+from sparse_mla.problem import validate_sparse_decode  # noqa: E402
+
+from . import harness  # noqa: E402
+from .harness import DecodeShape  # noqa: E402
 
 HOST_SHAPES = [
     DecodeShape(1, 128, 1, 2048, 576, 21.8),
@@ -56,12 +65,33 @@ def host_us(fn: Callable[[], object], n: int, sync: Callable[[], None]) -> float
     return 1e6 * statistics.median(times)
 
 
-def decode_call(inp: harness.DecodeInputs, meta: flash_mla.FlashMLASchedMeta, i: int = 0) -> Callable[[], object]:
+def decode_call(
+    inp: harness.DecodeInputs, meta: flash_mla.FlashMLASchedMeta, i: int = 0, backend: str = "auto"
+) -> Callable[[], object]:
     """The eager decode call on ``inp``'s ``i``-th index set with scheduler object ``meta``."""
     idx = inp.index_sets[i]
     return lambda: flash_mla.flash_mla_with_kvcache(
-        inp.q, inp.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx
+        inp.q, inp.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend=backend
     )
+
+
+def stub_launch_us(inp: harness.DecodeInputs, n: int, sync: Callable[[], None]) -> float:
+    """Host µs per call of the Hopper backend's path with Triton's compiled launcher stubbed
+    (:mod:`sparse_mla.decode.launch_stub`); the calls rotate over the index sets (new tensors)."""
+    from sparse_mla.decode.launch_stub import stub_compiled_launches
+
+    with stub_compiled_launches(record=False) as log:
+        meta, _ = flash_mla.get_mla_metadata()
+        calls = [decode_call(inp, meta, i, backend="hopper") for i in range(len(inp.index_sets))]
+        calls[0]()
+        assert log, "no launch recorded"
+        state = {"i": 0}
+
+        def rotating():
+            state["i"] += 1
+            return calls[state["i"] % len(calls)]()
+
+        return host_us(rotating, n, sync)
 
 
 def bench_shape(s: DecodeShape, n: int, profile: bool, quick: bool) -> dict:
@@ -120,6 +150,7 @@ def bench_shape(s: DecodeShape, n: int, profile: bool, quick: bool) -> dict:
         for name, fn in saved.items():
             del backends_mod.BACKENDS[name].launch  # back to the class's method
             assert backends_mod.BACKENDS[name].launch.__func__ is fn.__func__
+    row["stub_launch_us"] = stub_launch_us(inp, n, sync)
     return row
 
 
@@ -132,12 +163,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     rows = []
-    keys = ("host_us", "validate_us", "plan_us", "launch_us", "stub_us", "eager_us", "graph_us")
-    print(f"{'b':>3} {'h_q':>4} {'s_q':>3} " + " ".join(f"{k[:-3]:>9}" for k in keys) + "  (µs per call)")
+    keys = ("host_us", "validate_us", "plan_us", "launch_us", "stub_us", "stub_launch_us", "eager_us", "graph_us")
+    print(f"{'b':>3} {'h_q':>4} {'s_q':>3} " + " ".join(f"{k[:-3]:>11}" for k in keys) + "  (µs per call)")
     for s in harness.select(HOST_SHAPES, args.only):
         r = bench_shape(s, args.n, args.profile, args.quick)
         rows.append(r)
-        vals = " ".join(f"{r[k]:>9.1f}" if k in r else f"{'-':>9}" for k in keys)
+        vals = " ".join(f"{r[k]:>11.1f}" if k in r else f"{'-':>11}" for k in keys)
         print(f"{s.b:>3} {s.h_q:>4} {s.s_q:>3} {vals}", flush=True)
         if "profile" in r:
             print(r["profile"])

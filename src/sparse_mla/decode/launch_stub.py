@@ -1,0 +1,97 @@
+"""The decode path's kernel launches stubbed at Triton's compiled launcher, for host-time
+measurement and tests on a machine without a GPU (``benchmarks/host.py``, ``tests/test_host_path.py``).
+
+Inside :func:`stub_compiled_launches` the launcher believes it runs compiled kernels on device 0:
+the direct path is on even under the interpreter, a kernel's first launch returns a stub handle
+instead of compiling (nothing runs), and every launch is recorded as
+``(kernel name, grid, arguments)``, the arguments as the compiled launcher would get them
+(runtime arguments, then the constexpr values in parameter order; tensors as data pointers).
+Everything before Triton's launcher runs as it would on a GPU, so its host time can be measured.
+The Hopper backend is offered for CPU tensors (``backend="hopper"``).
+
+Kernel handles and launch recipes made inside must not be used outside: the launcher's caches are
+restored on exit; scheduler objects used inside should be dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from . import backends, combine, hopper, launcher, portable
+
+__all__ = ["stub_compiled_launches", "KERNELS"]
+
+#: the decode path's kernels
+KERNELS = (hopper._sparse_decode_gluon_kernel, portable._sparse_decode_kernel, combine._combine_kernel)
+
+
+def _plain(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return a.data_ptr()
+    if isinstance(a, tuple):
+        return tuple(_plain(x) for x in a)
+    return a
+
+
+class _StubCompiled:
+    """Stands for a compiled kernel: its launcher records instead of launching."""
+
+    def __init__(self, name: str, log: list, record: bool) -> None:
+        self.function = name
+        self.packed_metadata = None
+        self._log = log
+        self._record = record
+
+    def run(self, gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args):
+        self._log.append((function, (gx, gy, gz), _plain(args)) if self._record else function)
+
+
+@contextlib.contextmanager
+def stub_compiled_launches(record: bool = True) -> Iterator[list]:
+    """Stub the compiled launches of the decode kernels; yields the list of launches, each
+    ``(kernel name, grid, arguments)``, or only the kernel name when not ``record`` (for timing:
+    the arguments' conversion is not counted)."""
+    log: list = []
+    mp = _Patches()
+    try:
+        for k in KERNELS:
+            stub = _StubCompiled(k.fn.__name__, log, record)
+
+            def first_launch(*args, grid, warmup, _k=k, _stub=stub, **kwargs):
+                names = _k.arg_names[len(args) :]
+                log.append((_stub.function, tuple(grid), _plain(args + tuple(kwargs[n] for n in names))))
+                return _stub
+
+            mp.setattr(k, "run", first_launch)
+        mp.setattr(launcher, "interpreting", lambda: False)
+        mp.setattr(torch.cuda, "current_device", lambda: 0)
+        mp.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 0)
+        mp.setattr(backends.HopperBackend, "unsupported", lambda self, p: None)
+        mp.setattr(launcher, "_CACHE", {})
+        mp.setattr(launcher, "_STAGE_CAP", {})
+        yield log
+    finally:
+        mp.undo()
+
+
+class _Patches:
+    """Attribute patches, undone in reverse order."""
+
+    def __init__(self) -> None:
+        self._undo: list = []
+
+    def setattr(self, obj: Any, name: str, value: Any) -> None:
+        self._undo.append((obj, name, name in vars(obj), getattr(obj, name, None)))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        while self._undo:
+            obj, name, had, old = self._undo.pop()
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
