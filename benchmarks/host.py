@@ -12,7 +12,7 @@ For each small-batch shape (where eager calls are host-bound) it reports, in µs
   (:mod:`sparse_mla.decode.launch_stub`): our whole Python path including our side of the two
   launches (argument packing, specialisation checks), up to the C launcher; also on a CPU, where
   the kernel modules are then loaded under ``TRITON_INTERPRET=1`` (nothing is interpreted: no
-  kernel runs);
+  kernel runs); ``stub_launch_out``: the same with the caller's ``out``/``lse`` (no allocation);
 * on CUDA: the eager time (``triton.testing.do_bench``, as ``benchmarks.decode``), the graph
   replay time, and a cProfile of the call (``--profile``).
 
@@ -66,23 +66,29 @@ def host_us(fn: Callable[[], object], n: int, sync: Callable[[], None]) -> float
 
 
 def decode_call(
-    inp: harness.DecodeInputs, meta: flash_mla.FlashMLASchedMeta, i: int = 0, backend: str = "auto"
+    inp: harness.DecodeInputs, meta: flash_mla.FlashMLASchedMeta, i: int = 0, backend: str = "auto", **kw
 ) -> Callable[[], object]:
-    """The eager decode call on ``inp``'s ``i``-th index set with scheduler object ``meta``."""
+    """The eager decode call on ``inp``'s ``i``-th index set with scheduler object ``meta``
+    (``kw``: more keyword arguments, e.g. ``out=``/``lse=``)."""
     idx = inp.index_sets[i]
     return lambda: flash_mla.flash_mla_with_kvcache(
-        inp.q, inp.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend=backend
+        inp.q, inp.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend=backend, **kw
     )
 
 
-def stub_launch_us(inp: harness.DecodeInputs, n: int, sync: Callable[[], None]) -> float:
+def stub_launch_us(inp: harness.DecodeInputs, n: int, sync: Callable[[], None], outputs: bool = False) -> float:
     """Host µs per call of the Hopper backend's path with Triton's compiled launcher stubbed
-    (:mod:`sparse_mla.decode.launch_stub`); the calls rotate over the index sets (new tensors)."""
+    (:mod:`sparse_mla.decode.launch_stub`); the calls rotate over the index sets (new tensors);
+    ``outputs``: with the caller's ``out``/``lse`` buffers (no allocation per call)."""
     from sparse_mla.decode.launch_stub import stub_compiled_launches
 
+    b, s_q, h_q, _ = inp.q.shape
+    kw = {}
+    if outputs:
+        kw = dict(out=inp.q.new_empty((b, s_q, h_q, 512)), lse=inp.q.new_empty((b, h_q, s_q), dtype=torch.float32))
     with stub_compiled_launches(record=False) as log:
         meta, _ = flash_mla.get_mla_metadata()
-        calls = [decode_call(inp, meta, i, backend="hopper") for i in range(len(inp.index_sets))]
+        calls = [decode_call(inp, meta, i, backend="hopper", **kw) for i in range(len(inp.index_sets))]
         calls[0]()
         assert log, "no launch recorded"
         state = {"i": 0}
@@ -151,6 +157,7 @@ def bench_shape(s: DecodeShape, n: int, profile: bool, quick: bool) -> dict:
             del backends_mod.BACKENDS[name].launch  # back to the class's method
             assert backends_mod.BACKENDS[name].launch.__func__ is fn.__func__
     row["stub_launch_us"] = stub_launch_us(inp, n, sync)
+    row["stub_launch_out_us"] = stub_launch_us(inp, n, sync, outputs=True)
     return row
 
 
@@ -163,12 +170,28 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     rows = []
-    keys = ("host_us", "validate_us", "plan_us", "launch_us", "stub_us", "stub_launch_us", "eager_us", "graph_us")
-    print(f"{'b':>3} {'h_q':>4} {'s_q':>3} " + " ".join(f"{k[:-3]:>11}" for k in keys) + "  (µs per call)")
+    keys = (
+        "host_us",
+        "validate_us",
+        "plan_us",
+        "launch_us",
+        "stub_us",
+        "stub_launch_us",
+        "stub_launch_out_us",
+        "eager_us",
+        "graph_us",
+    )
+    print(
+        f"{'b':>3} {'h_q':>4} {'s_q':>3} "
+        + " ".join(f"{k[:-3]:>{max(11, len(k) - 3)}}" for k in keys)
+        + "  (µs per call)"
+    )
     for s in harness.select(HOST_SHAPES, args.only):
         r = bench_shape(s, args.n, args.profile, args.quick)
         rows.append(r)
-        vals = " ".join(f"{r[k]:>11.1f}" if k in r else f"{'-':>11}" for k in keys)
+        vals = " ".join(
+            f"{r[k]:>{max(11, len(k) - 3)}.1f}" if k in r else f"{'-':>{max(11, len(k) - 3)}}" for k in keys
+        )
         print(f"{s.b:>3} {s.h_q:>4} {s.s_q:>3} {vals}", flush=True)
         if "profile" in r:
             print(r["profile"])

@@ -106,7 +106,8 @@ class FlashMLASchedMeta:
     have_initialized: bool = False
     config: ScheduleConfig | None = None
     plan: DecodePlan | None = None
-    #: the last validated call's fingerprint and problem (serving.ops: repeated calls skip the checks)
+    #: the last validated call's fingerprint, scalars, problem and launch replay (serving.ops:
+    #: repeated calls skip the checks and replay the launches)
     call_cache: Any = field(default=None, repr=False, compare=False)
 
     @property

@@ -7,7 +7,9 @@ instead of compiling (nothing runs), and every launch is recorded as
 ``(kernel name, grid, arguments)``, the arguments as the compiled launcher would get them
 (runtime arguments, then the constexpr values in parameter order; tensors as data pointers).
 Everything before Triton's launcher runs as it would on a GPU, so its host time can be measured.
-The Hopper backend is offered for CPU tensors (``backend="hopper"``).
+The Hopper backend is offered for CPU tensors (``backend="hopper"``); the portable backend takes
+its compiled-kernel branches. The combine's launch wrapper still needs ``TRITON_INTERPRET=1`` (or
+CUDA tensors) to accept its arguments.
 
 Kernel handles and launch recipes made inside must not be used outside: the launcher's caches are
 restored on exit; scheduler objects used inside should be dropped.
@@ -67,7 +69,8 @@ def stub_compiled_launches(record: bool = True) -> Iterator[list]:
                 return _stub
 
             mp.setattr(k, "run", first_launch)
-        mp.setattr(launcher, "interpreting", lambda: False)
+        for mod in (launcher, portable):  # the compiled-kernel branches (bf16 out, direct path on)
+            mp.setattr(mod, "interpreting", lambda: False)
         mp.setattr(torch.cuda, "current_device", lambda: 0)
         mp.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 0)
         mp.setattr(backends.HopperBackend, "unsupported", lambda self, p: None)

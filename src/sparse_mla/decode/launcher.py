@@ -13,11 +13,21 @@ runs once and its kernel is remembered under the new key; the cache holds at mos
 The first call of every key, calls made while a Triton launch hook is installed (profilers), and
 everything under the interpreter take Triton's normal path. ``SPARSE_MLA_DIRECT_LAUNCH=0``
 turns the direct path off (for debugging).
+
+A caller that repeats the same launches with other tensors of the same geometry can skip even
+that: :func:`recording` captures the launches made inside it (compiled handle, grid, every
+argument), :func:`make_replay` turns them into a :class:`Replay` (argument templates with the
+places of the per-call tensors), and :meth:`Replay.run` relaunches with new tensors, no key or
+argument packing on the way (``serving.ops.decode`` keeps one per scheduler object and call
+geometry).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +35,10 @@ from triton import knobs
 
 from ..runtime import interpreting
 
-__all__ = ["launch", "launch_fitting", "direct_launch_enabled"]
+__all__ = ["launch", "launch_fitting", "direct_launch_enabled", "recording", "make_replay", "Replay"]
+
+_ENV = "SPARSE_MLA_DIRECT_LAUNCH"
+
 
 _CACHE: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
 #: keys remembered at most (the cache is emptied when it is full)
@@ -35,7 +48,7 @@ MAX_KEYS = 4096
 def direct_launch_enabled() -> bool:
     """Whether repeated launches go straight to the compiled kernel (``SPARSE_MLA_DIRECT_LAUNCH``,
     default on; always off under the interpreter)."""
-    return os.environ.get("SPARSE_MLA_DIRECT_LAUNCH", "1") != "0" and not interpreting()
+    return os.environ.get(_ENV, "1") != "0" and not interpreting()
 
 
 def _spec(a: Any) -> Any:
@@ -73,6 +86,7 @@ def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, o
     """
     if not direct_launch_enabled():
         kernel[grid](*args, **consts, **options)
+        _record(None)
         return
     dev = torch.cuda.current_device()
     # inline for the common argument types (a function call per argument costs more than the rest)
@@ -84,12 +98,15 @@ def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, o
     if hit is None or _hooks_installed():
         compiled = kernel[grid](*args, **consts, **options)
         names = tuple(kernel.arg_names[len(args) :])
-        if hit is None and compiled is not None and set(names) == set(consts):
+        reusable = hit is None and compiled is not None and set(names) == set(consts)
+        if reusable:
             if len(_CACHE) >= MAX_KEYS:
                 _CACHE.clear()
             _CACHE[key] = (compiled, names)
+        _record((compiled, grid, (*args, *(consts[n] for n in names))) if reusable else None)
         return
     compiled, names = hit
+    full = (*args, *(consts[n] for n in names))
     stream = torch._C._cuda_getCurrentRawStream(dev)
     compiled.run(
         grid[0],
@@ -101,9 +118,9 @@ def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, o
         None,  # launch metadata: only for launch hooks, excluded above
         None,
         None,
-        *args,
-        *(consts[n] for n in names),
+        *full,
     )
+    _record((compiled, grid, full))
 
 
 _STAGE_CAP: dict = {}  # (kernel, variant) -> most pipeline stages that fit in shared memory
@@ -129,3 +146,139 @@ def launch_fitting(
                 raise
             stages -= 1
             _STAGE_CAP[cap_key] = stages
+
+
+# --------------------------------------------------------------------------------------------
+# recorded launches, replayed
+
+_recording = threading.local()  # .launches: where launch() records, inside recording() (per thread)
+
+
+def _record(entry: tuple | None) -> None:
+    launches = getattr(_recording, "launches", None)
+    if launches is not None:
+        launches.append(entry)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """Record the launches :func:`launch` makes inside the block (in this thread), in order:
+    ``(compiled, grid, args)`` each (``args``: the runtime arguments, then the constexpr values,
+    as the compiled launcher takes them), or None for a launch without a reusable compiled handle
+    (direct path off, a launch hook installed, the interpreter) and for a :class:`Replay`'s."""
+    saved = getattr(_recording, "launches", None)
+    _recording.launches = []
+    try:
+        yield _recording.launches
+    finally:
+        _recording.launches = saved
+
+
+def make_replay(
+    launches: Sequence[tuple | None], tensors: Sequence[torch.Tensor | None], fixed: Iterable[torch.Tensor]
+) -> Replay | None:
+    """A :class:`Replay` of recorded ``launches`` whose per-call tensors are ``tensors`` (their
+    order is the order :meth:`Replay.run` takes them in), or None when that cannot be told apart.
+
+    Every tensor argument must be one of ``tensors`` (the same object, or else one and only one
+    of them with its data pointer: a dtype view of it) or one of ``fixed`` (tensors that outlive
+    the replay and stay where they are: their pointers are kept as numbers). None when a launch
+    had no compiled handle, when an argument tensor is neither, is two of ``tensors`` or sits
+    where two of them start, or when argument tuples nest deeper than one level.
+    """
+    if not launches or any(x is None for x in launches):
+        return None
+    fixed = tuple(fixed)
+    place = _placer(tensors, fixed)
+    steps = []
+    used: set[int] = set()
+    for compiled, grid, args in launches:
+        template: list = []
+        slots: list[tuple[int, int, int]] = []
+        for pos, a in enumerate(args):
+            nested = type(a) is tuple
+            items = list(a) if nested else [a]
+            for sub, x in enumerate(items):
+                if type(x) is tuple:
+                    return None
+                if isinstance(x, torch.Tensor):
+                    i = place(x)
+                    if i is None:
+                        return None
+                    if i >= 0:
+                        slots.append((pos, sub if nested else -1, i))
+                        used.add(i)
+                    items[sub] = x.data_ptr()
+            template.append(tuple(items) if nested else items[0])
+        steps.append((compiled.run, compiled.function, compiled.packed_metadata, tuple(grid), template, tuple(slots)))
+    aligns = tuple((i, tensors[i].data_ptr() & 15) for i in sorted(used))
+    return Replay(torch.cuda.current_device(), tuple(steps), aligns, fixed)
+
+
+def _placer(tensors: Sequence[torch.Tensor | None], fixed: tuple[torch.Tensor, ...]):
+    """``place(x)``: the index of tensor ``x`` in ``tensors``, -1 for one of ``fixed``, None for
+    neither or unclear (see :func:`make_replay`)."""
+    by_ptr: dict[int, int] = {}
+    clash: set[int] = set()
+    for i, t in enumerate(tensors):
+        if t is not None and by_ptr.setdefault(t.data_ptr(), i) != i:
+            clash.add(t.data_ptr())
+    fixed_ptrs = {t.data_ptr() for t in fixed}
+
+    def place(x: torch.Tensor) -> int | None:
+        same = [i for i, t in enumerate(tensors) if t is x]
+        if same:
+            return same[0] if len(same) == 1 else None
+        ptr = x.data_ptr()
+        if ptr in clash or (ptr in by_ptr and ptr in fixed_ptrs):
+            return None
+        return by_ptr.get(ptr, -1 if ptr in fixed_ptrs else None)
+
+    return place
+
+
+class Replay:
+    """Recorded launches (:func:`make_replay`) relaunched with other per-call tensors in the same
+    argument places, through the compiled kernels' launchers.
+
+    What the recorded arguments were derived from (shapes, strides, dtypes, scalars) must be the
+    same for the new tensors; the caller guarantees that. :meth:`run` checks the rest cheaply:
+    the 16-byte alignment of each new pointer (part of Triton's specialisation), the current
+    device, no launch hook installed, ``SPARSE_MLA_DIRECT_LAUNCH`` not 0.
+    """
+
+    __slots__ = ("device", "steps", "aligns", "keep")
+
+    def __init__(self, device: int, steps: tuple, aligns: tuple, keep: tuple) -> None:
+        self.device = device
+        self.steps = steps
+        self.aligns = aligns  # (index in tensors, data_ptr & 15) of each per-call tensor used
+        self.keep = keep  # the fixed tensors whose pointers the templates hold
+
+    def run(self, tensors: Sequence[torch.Tensor | None]) -> bool:
+        """Relaunch with ``tensors`` (in the order given to :func:`make_replay`). False, having
+        launched nothing, when the checks above fail: the caller then takes the normal path."""
+        if os.environ.get(_ENV) == "0" or _hooks_installed():
+            return False
+        ptrs = [0] * len(tensors)
+        for i, align in self.aligns:
+            ptr = tensors[i].data_ptr()
+            if ptr & 15 != align:
+                return False
+            ptrs[i] = ptr
+        dev = torch.cuda.current_device()
+        if dev != self.device:
+            return False
+        stream = torch._C._cuda_getCurrentRawStream(dev)
+        for run, function, metadata, grid, template, slots in self.steps:
+            args = template.copy()
+            for pos, sub, i in slots:
+                if sub < 0:
+                    args[pos] = ptrs[i]
+                else:
+                    items = list(args[pos])
+                    items[sub] = ptrs[i]
+                    args[pos] = tuple(items)
+            run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args)
+        _record(None)  # a replay inside a recording cannot be recorded again
+        return True

@@ -29,7 +29,7 @@ the kernels: they are imported when an op first runs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -40,6 +40,9 @@ from ..prefill.run import run_prefill
 from ..problem import DecodeProblem, empty_outputs, into_buffers, is_empty, validate_sparse_decode
 from ..runtime import use_triton
 from ..scheduler import MAX_ACC_ROWS_PER_PART, META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
+
+if TYPE_CHECKING:  # importing the launcher imports Triton
+    from ..decode.launcher import Replay
 
 __all__ = [
     "sparse_decode",
@@ -356,7 +359,12 @@ def decode(
         # the same geometry as the last validated call of this object: only the data differ
         for name in _VECTOR_FIELDS:
             fields[name] = _dense(fields[name])
-        return _launch_planned(dataclasses.replace(cached[2], **fields), tile_scheduler_metadata.plan)
+        if cached[3]:
+            done = _replay(cached[3], q, fields)
+            if done is not None:
+                return done
+        p = dataclasses.replace(cached[2], **fields)
+        return _launch_planned(p, tile_scheduler_metadata.plan, tile_scheduler_metadata, fields)
     p = validate_sparse_decode(
         q=q, k_cache=k_cache, indices=indices, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
         is_fp8_kvcache=is_fp8_kvcache, causal=causal, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
@@ -368,18 +376,83 @@ def decode(
     plan = ensure_plan(tile_scheduler_metadata, p, backend)
     if through_op:
         return into_buffers(out, lse, *call_sparse_decode_op(p, plan))
-    # kept without the call's tensors (the object must not keep them alive)
+    if fp is None:
+        tile_scheduler_metadata.call_cache = None
+        return _launch_planned(p, plan)
+    # kept without the call's tensors (the object must not keep them alive); the launch replay
+    # (made by the first launch) in the last place
     stripped = dataclasses.replace(p, **dict.fromkeys(fields))
-    tile_scheduler_metadata.call_cache = None if fp is None else (fp, scalars, stripped)
-    return _launch_planned(p, plan)
+    tile_scheduler_metadata.call_cache = (fp, scalars, stripped, None)
+    fields.update(topk_length=p.topk_length, attn_sink=p.attn_sink, extra_topk_length=p.extra_topk_length)
+    return _launch_planned(p, plan, tile_scheduler_metadata, fields)
 
 
-def _launch_planned(p: DecodeProblem, plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_planned(
+    p: DecodeProblem, plan: DecodePlan, meta: FlashMLASchedMeta | None = None, fields: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch a validated, non-empty problem with its plan. A call being captured in a CUDA graph
     takes its workspace from the graph's pool (the graph then outlives the scheduler object);
-    eager calls reuse the plan's."""
-    workspace = None if p.q.is_cuda and torch.cuda.is_current_stream_capturing() else plan.workspace
-    return run_decode(p, plan.backend, plan.table, workspace=workspace)
+    eager calls reuse the plan's.
+
+    With ``meta`` (whose ``call_cache`` describes ``p``) and the call's tensors by field
+    (``fields``, the 1-D ones as ``p`` has them), an eager call whose cache entry has no replay
+    yet records its launches and keeps their :class:`~sparse_mla.decode.launcher.Replay` there
+    (False when they cannot be replayed, e.g. the reference backend's: not tried again)."""
+    capturing = p.q.is_cuda and torch.cuda.is_current_stream_capturing()
+    workspace = None if capturing else plan.workspace
+    entry = None if meta is None else meta.call_cache
+    if capturing or entry is None or entry[3] is not None or not use_triton(p.q.device):
+        return run_decode(p, plan.backend, plan.table, workspace=workspace)
+    from ..decode import launcher
+
+    with launcher.recording() as launches:
+        out, lse = run_decode(p, plan.backend, plan.table, workspace=workspace)
+    replay = _make_replay(launches, plan, fields, out, lse)
+    # a launch recorded as None (a launch hook, the direct path off) may be replayable next time
+    if replay is not None or None not in launches:
+        meta.call_cache = (*entry[:3], replay or False)
+    return out, lse
+
+
+def _make_replay(launches: list, plan: DecodePlan, fields: dict, out: torch.Tensor, lse: torch.Tensor) -> Replay | None:
+    """The :class:`~sparse_mla.decode.launcher.Replay` of a decode call's launches: per-call
+    tensors are the call's (``fields``) with ``out``/``lse`` the buffers written, allocated anew
+    per call by :func:`_replay` when the caller gave none; the plan's schedule and workspace stay."""
+    from ..decode import launcher
+
+    b, s_q, h_q, _ = fields["q"].shape
+    for given, buf, dtype, shape in (
+        (fields["out"], out, torch.bfloat16, (b, s_q, h_q, D_V)),
+        (fields["lse"], lse, torch.float32, (b, h_q, s_q)),
+    ):
+        if given is not None and buf is not given:
+            return None
+        if given is None and (buf.dtype != dtype or buf.shape != shape or not buf.is_contiguous()):
+            return None  # not what _replay allocates
+    t = plan.table
+    fixed = (t.metadata, t.acc_rows, t.main_blocks, t.num_blocks_t, *plan.workspace)
+    return launcher.make_replay(launches, _call_tensors(fields, out, lse), fixed)
+
+
+def _call_tensors(fields: dict, out: torch.Tensor, lse: torch.Tensor) -> tuple:
+    """The per-call tensors of a replay, in its order."""
+    return (fields["q"], fields["k_cache"], fields["indices"], fields["topk_length"], fields["attn_sink"],
+            fields["extra_k_cache"], fields["extra_indices"], fields["extra_topk_length"], out, lse)  # fmt: skip
+
+
+def _replay(replay: Replay, q: torch.Tensor, fields: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Relaunch a call's recorded launches with this call's tensors (``fields``, same fingerprint
+    and scalars as the recording call): ``(out, lse)``, or None (nothing launched) when the
+    replay's checks fail or the call is being captured in a CUDA graph (its workspace differs)."""
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    out, lse = fields["out"], fields["lse"]
+    b, s_q, h_q, _ = q.shape
+    if out is None:
+        out = torch.empty((b, s_q, h_q, D_V), dtype=torch.bfloat16, device=q.device)
+    if lse is None:
+        lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
+    return (out, lse) if replay.run(_call_tensors(fields, out, lse)) else None
 
 
 #: the 1-D arguments the validator returns contiguous
