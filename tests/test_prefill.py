@@ -228,9 +228,6 @@ def test_hopper_backend_on_the_fp8_cache(d_qk, h_q):
     assert resolve_prefill_backend(validate_sparse_prefill(q, kv, idx, 0.1)) == "hopper"
     out, ml, lse = run_and_check(q, kv, idx, backend="hopper", **kw)
     assert torch.isposinf(lse[0]).all() and torch.isneginf(ml[0]).all() and (out[0].float() == 0).all()
-    # the same call through the portable kernel: same keys, same answer within FlashMLA's tolerances
-    po, pm, pl = flash_mla.flash_mla_sparse_fwd(q, kv, idx, d_qk**-0.5, backend="portable", **kw)
-    check_prefill_close(out, ml, lse, po.float(), pm, pl)
 
 
 @needs_kernels
