@@ -111,6 +111,25 @@ def test_run_reports_latency_and_passes_its_check():
     assert res["final_context_max"] == 200 and res["graph"] is (DEV == "cuda")
 
 
+@needs_kernels
+@pytest.mark.parametrize("layout", ["V32", "MODEL1"])
+def test_indexer_step_in_one_graph_passes_its_check(layout):
+    # the whole DSA decode step: indexer key write, FP8 paged logits, top-k as slots, sparse decode
+    # (one CUDA graph per step on a GPU), checked against the twins at the last step
+    cfg = default_config("cpu", steps=3, batch=3, max_context=200, seed=2, layout=layout, indexer=True)
+    sim = ServeSim(cfg, DEV)
+    res = sim.run(progress=False)
+    c = res["check"]
+    assert c["ok"] and c["indexer_logits_ok"] and c["indexer_topk_ok"], c
+    assert res["graph"] is (DEV == "cuda")
+    # the top-k really comes from the indexer: the last step's slots are the best-scoring keys
+    best = sim.logits.float().argmax(dim=1)  # row i's best position (a context token)
+    table = sim.block_table.long()
+    slot = table[torch.arange(3, device=table.device), best // cfg.page_block_size] * cfg.page_block_size
+    slot += best % cfg.page_block_size
+    assert torch.equal(sim.idx_buf.view(3, -1)[:, 0].long(), slot)
+
+
 def _serve_sim(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, COLUMNS="150", NO_COLOR="1")
     env.pop("TRITON_INTERPRET", None)  # the CLI sets it itself on the CPU
@@ -200,6 +219,8 @@ def test_cli_no_numpy_warnings_for_blocks_without_valid_keys():
         (["--page-block-size", "0"], "--page-block-size"),
         (["--num-sms", "0"], "--num-sms"),
         (["--seed", "-1"], "--seed"),
+        (["--indexer", "--index-dim", "20"], "--index-dim"),
+        (["--indexer", "--index-heads", "0"], "--index-heads"),
     ],
 )
 def test_cli_usage_errors_exit_2_in_one_line(monkeypatch, capsys, args, option):

@@ -12,7 +12,10 @@ shuffled free list as contexts grow). Every step does what an engine does per de
    (coprime to every length, so the positions are distinct) and a random offset ``c``; slots
    ``j >= ctx`` get ``-1``. This costs a few elementwise kernels, unlike a real top-k over indexer
    scores, so the step time is the attention path's. The index-conversion kernel turns them into
-   cache indices;
+   cache indices. With ``--indexer`` (:attr:`ServeSimConfig.indexer`) the lightning indexer picks
+   them instead: each new token's indexer key is quantised into its FP8 key cache (same pages as
+   the attention cache), :func:`~sparse_mla.indexer.fp8_paged_mqa_logits` scores every context
+   token, and :func:`~sparse_mla.indexer.topk_kvcache_indices` returns the top-k as cache slots;
 4. :func:`sparse_mla.flash_mla_with_kvcache` runs the sparse decode (s_q = 1).
 
 On CUDA, steps 1-4 are captured once in a ``torch.cuda.CUDAGraph`` after one eager warm-up step
@@ -63,9 +66,11 @@ __all__ = [
 ]
 
 #: tiny sizes for the CPU (Triton interpreter): seconds
-CPU_DEFAULTS = dict(batch=2, topk=64, max_context=256, steps=4, h_q=16, page_block_size=64)
+CPU_DEFAULTS = dict(batch=2, topk=64, max_context=256, steps=4, h_q=16, page_block_size=64, index_heads=4, index_dim=32)
 #: DeepSeek-V3.2 decode sizes for a GPU
-GPU_DEFAULTS = dict(batch=64, topk=2048, max_context=32768, steps=200, h_q=128, page_block_size=64)
+GPU_DEFAULTS = dict(
+    batch=64, topk=2048, max_context=32768, steps=200, h_q=128, page_block_size=64, index_heads=64, index_dim=128
+)
 
 
 @dataclass
@@ -86,6 +91,9 @@ class ServeSimConfig:
         seed: random seed (contexts, block placement, token values, indices).
         num_sms: SMs to schedule for (None: the device's).
         check: verify the last step against the references.
+        indexer: pick the top-k with the lightning indexer (its key cache written with each new
+            token, paged FP8 logits, top-k as cache slots) instead of random positions.
+        index_heads, index_dim: the indexer's query heads and head dim (DeepSeek-V3.2: 64, 128).
     """
 
     batch: int = CPU_DEFAULTS["batch"]
@@ -101,6 +109,9 @@ class ServeSimConfig:
     seed: int = 0
     num_sms: int | None = None
     check: bool = True
+    indexer: bool = False
+    index_heads: int = 64
+    index_dim: int = 128
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field."""
@@ -112,6 +123,12 @@ class ServeSimConfig:
                 )
         if self.h_q > 128:
             raise ValueError(f"h_q: must be <= 128, got {self.h_q}")
+        for name in ("index_heads", "index_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 128 or (name == "index_dim" and v % 16):
+                raise ValueError(
+                    f"{name}: expected an int in 1..128{' (a multiple of 16)' if name == 'index_dim' else ''}, got {v!r}"
+                )
         get_layout(self.layout)
         if self.cache_dtype not in ("fp8", "uint8"):
             raise ValueError(f"cache_dtype: expected 'fp8' or 'uint8', got {self.cache_dtype!r}")
@@ -281,6 +298,8 @@ class ServeSim:
             sl = all_slots[s : s + chunk_tokens]
             quantize_and_store_kv(self._random_kv(sl.numel()), sl, self.k_cache, block_t=block_t)
         B, d, topk = self.B, self.lay.d_qk, self.topk
+        if self.cfg.indexer:
+            self._prefill_indexer(all_slots, chunk_tokens)
         self.kv_buf = torch.empty(B, d, dtype=torch.bfloat16, device=dev)
         self.slot_buf = torch.empty(B, 1, 1, dtype=torch.int32, device=dev)
         self.q_buf = torch.empty(B, 1, self.cfg.h_q, d, dtype=torch.bfloat16, device=dev)
@@ -290,12 +309,52 @@ class ServeSim:
         self.j_t = torch.arange(topk, dtype=torch.int64, device=dev)
         self._allocated = True
 
+    def _prefill_indexer(self, all_slots: torch.Tensor, chunk_tokens: int) -> None:
+        """The indexer's key cache (DeepGEMM's paged layout, same pages as the attention cache)
+        with every initial token's key, and the step's indexer buffers."""
+        from ..indexer import get_paged_mqa_logits_metadata, indexer_k_quant_and_cache
+
+        cfg, dev, B = self.cfg, self.device, self.B
+        D, H = cfg.index_dim, cfg.index_heads
+        self.index_cache = torch.zeros(self.num_blocks, self.pbs, 1, D + 4, dtype=torch.uint8, device=dev)
+        for s in range(0, all_slots.numel(), chunk_tokens):
+            sl = all_slots[s : s + chunk_tokens]
+            k = torch.randn(sl.numel(), D, device=dev, generator=self._gen).to(torch.bfloat16)
+            indexer_k_quant_and_cache(k, self.index_cache, sl.long(), "ue8m0")
+        self.ik_buf = torch.empty(B, D, dtype=torch.bfloat16, device=dev)
+        self.iq_buf = torch.empty(B, 1, H, D, dtype=torch.float8_e4m3fn, device=dev)
+        self.w_buf = torch.empty(B, H, dtype=torch.float32, device=dev)
+        num_sms = cfg.num_sms or (
+            torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        )
+        self.logits_meta = get_paged_mqa_logits_metadata(self.ctx, self.pbs, num_sms)
+
+    def _indexer_topk(self) -> None:
+        """Step 3 with the indexer: the new tokens' keys into its cache, FP8 logits over each
+        request's context, top-k as cache slots into ``idx_buf``."""
+        from ..indexer import fp8_paged_mqa_logits, indexer_k_quant_and_cache, topk_kvcache_indices
+
+        B, dev, gen = self.B, self.device, self._gen
+        self.ik_buf.copy_(torch.randn(self.ik_buf.shape, device=dev, generator=gen).to(torch.bfloat16))
+        indexer_k_quant_and_cache(self.ik_buf, self.index_cache, self.slot_buf.view(B).long(), "ue8m0")
+        self.iq_buf.copy_(torch.randn(self.iq_buf.shape, device=dev, generator=gen).to(torch.float8_e4m3fn))
+        self.w_buf.copy_(torch.rand(self.w_buf.shape, device=dev, generator=gen))
+        self.logits = fp8_paged_mqa_logits(
+            self.iq_buf,
+            self.index_cache,
+            self.w_buf,
+            self.ctx,
+            self.block_table,
+            self.logits_meta,
+            self.cfg.max_context,
+        )
+        idx = topk_kvcache_indices(self.logits, self.topk, self.block_table, self.pbs, 1, row_ends=self.ctx)
+        self.idx_buf.copy_(idx.view(B, 1, self.topk))
+
     # ---------------------------------------------------------------- the step
 
     def _step_body(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 1-4 of the module docstring on device tensors only (capturable)."""
-        import sparse_mla
-
         from ..serving.index_convert import abs_indices_to_kvcache_indices_triton
         from ..serving.store import quantize_and_store_kv
 
@@ -307,7 +366,10 @@ class ServeSim:
         abs_indices_to_kvcache_indices_triton(self.ctx.view(B, 1, 1), self.block_table, self.pbs, out=self.slot_buf)
         quantize_and_store_kv(self.kv_buf, self.slot_buf.view(B), self.k_cache)
         self.ctx.add_(1)
-        # 3. top-k positions over [0, ctx): an affine permutation with a random prime multiplier
+        # 3. top-k positions over [0, ctx): the indexer, or an affine permutation with a random prime multiplier
+        if self.cfg.indexer:
+            self._indexer_topk()
+            return self._decode()
         pick = torch.randint(0, len(self.primes), (B,), device=dev, generator=gen)
         a = self.primes_t[pick]
         c = torch.randint(0, 1 << 30, (B,), device=dev, generator=gen)
@@ -316,7 +378,12 @@ class ServeSim:
         pos = torch.where(self.j_t.unsqueeze(0) < n, pos, torch.full_like(pos, -1))
         self.pos_buf.copy_(pos.view(B, 1, self.topk))
         abs_indices_to_kvcache_indices_triton(self.pos_buf, self.block_table, self.pbs, out=self.idx_buf)
-        # 4. sparse decode
+        return self._decode()
+
+    def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """4. the sparse decode over ``idx_buf``."""
+        import sparse_mla
+
         return sparse_mla.flash_mla_with_kvcache(
             self.q_buf,
             self.k_cache,
@@ -457,7 +524,7 @@ class ServeSim:
         c = decode_closeness(self.out, self.lse, ro, rl)
         store_ok = bool(torch.equal(self._slot_bytes(self.slot_buf.view(-1)), self._expected_bytes(self.kv_buf)))
         idx_ok = self._indices_ok()
-        return dict(
+        res = dict(
             decode_ok=c.ok,
             out_max_abs_err=c.out_max_abs_err,
             out_cos_dist=c.out_cos_dist,
@@ -465,6 +532,43 @@ class ServeSim:
             store_ok=store_ok,
             indices_ok=idx_ok,
             ok=c.ok and store_ok and idx_ok,
+        )
+        if self.cfg.indexer:
+            res.update(self._check_indexer())
+            res["ok"] = res["ok"] and res["indexer_logits_ok"] and res["indexer_topk_ok"]
+        return res
+
+    def _check_indexer(self) -> dict:
+        """The last step's indexer against its twins: the logits within 2^-11 of the dot's terms on
+        FP8 tensor cores (1e-5 elsewhere) of :func:`~sparse_mla.indexer.reference.fp8_paged_mqa_logits_reference`,
+        and the slots equal to the twin's top-k of the same logits through the block table."""
+        from ..indexer.kernels import fp8_dot_supported
+        from ..indexer.reference import fp8_paged_mqa_logits_reference, topk_indices_reference
+
+        args = (self.ctx, self.block_table, self.cfg.max_context)
+        want = fp8_paged_mqa_logits_reference(self.iq_buf, self.index_cache, self.w_buf, *args)
+        # the same sum over |q|, |k|, |w|: how large the dot's terms are (FP8 MMAs round relative to them)
+        q_abs = (self.iq_buf.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
+        nb, bs, _, w = self.index_cache.shape
+        k_abs = self.index_cache.clone().view(nb, bs * w)
+        k_abs[:, : bs * (w - 4)] &= 0x7F
+        mag = fp8_paged_mqa_logits_reference(q_abs, k_abs.view(self.index_cache.shape), self.w_buf.abs(), *args)
+        tc = self.device.type == "cuda" and fp8_dot_supported(self.device) and self.cfg.index_dim >= 32
+        got = self.logits
+        fin = torch.isfinite(want)
+        err = (got[fin] - want[fin]).abs()
+        logits_ok = bool(torch.equal(fin, torch.isfinite(got))) and bool(
+            (err <= (2.0**-11 if tc else 1e-5) * mag[fin] + 1e-4).all()
+        )
+        pos = topk_indices_reference(got.cpu(), self.topk, None, self.ctx.cpu()).long()
+        table = self.block_table.cpu().long()
+        slots = torch.gather(table, 1, pos.clamp(min=0) // self.pbs) * self.pbs + pos.clamp(min=0) % self.pbs
+        slots = torch.where(pos >= 0, slots, -1)
+        topk_ok = bool(torch.equal(slots.int(), self.idx_buf.view(self.B, self.topk).cpu()))
+        return dict(
+            indexer_logits_ok=logits_ok,
+            indexer_logits_max_abs_err=float(err.max()) if err.numel() else 0.0,
+            indexer_topk_ok=topk_ok,
         )
 
     def _slot_bytes(self, slots: torch.Tensor) -> torch.Tensor:
@@ -561,12 +665,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-sms", type=int, default=None, help="schedule for this many SMs (default: the device's)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0; range checked with the other sizes)")
     p.add_argument(
+        "--indexer",
+        action="store_true",
+        help="pick the top-k with the lightning indexer (key cache write, FP8 paged logits, top-k as slots)",
+    )
+    p.add_argument("--index-heads", type=int, default=None, help="indexer query heads (default CPU 4, CUDA 64)")
+    p.add_argument("--index-dim", type=int, default=None, help="indexer head dim (default CPU 32, CUDA 128)")
+    p.add_argument(
         "--json", metavar="PATH", default=None, help="also write the results (and every step's latency) as JSON"
     )
 
 
 #: the modules a simulation step imports (each needs Triton; on the CPU Triton's interpreter needs NumPy)
-KERNEL_MODULES = ("sparse_mla.decode.portable", "sparse_mla.serving.store", "sparse_mla.serving.index_convert")
+KERNEL_MODULES = (
+    "sparse_mla.decode.portable",
+    "sparse_mla.serving.store",
+    "sparse_mla.serving.index_convert",
+    "sparse_mla.indexer.kernels",
+)
 
 
 def _error(msg: str) -> int:
@@ -631,6 +747,9 @@ def cli_main(args: argparse.Namespace) -> int:
         seed=args.seed,
         num_sms=args.num_sms,
         check=not args.no_check,
+        indexer=args.indexer,
+        index_heads=args.index_heads,
+        index_dim=args.index_dim,
     )
     try:
         cfg.validate()
@@ -668,7 +787,8 @@ def cli_main(args: argparse.Namespace) -> int:
     )
     with quiet_interpreter():  # NumPy's warnings for masked-out lanes in the interpreter; see common.quiet_interpreter
         res = sim.run(progress=not args.no_progress, console=console)
-    t = Table(title="decode loop (store + index conversion + sparse decode per step)")
+    what = "indexer cache write + logits + top-k" if cfg.indexer else "index conversion"
+    t = Table(title=f"decode loop (store + {what} + sparse decode per step)")
     t.add_column("metric")
     t.add_column("value", justify="right")
     t.add_row("device", res["device_name"])
@@ -688,6 +808,12 @@ def cli_main(args: argparse.Namespace) -> int:
         )
         t.add_row("appended tokens' bytes = quantize_k_cache", "ok" if c["store_ok"] else "FAIL")
         t.add_row("indices distinct, in own blocks", "ok" if c["indices_ok"] else "FAIL")
+        if cfg.indexer:
+            t.add_row(
+                "indexer logits vs twin",
+                f"max |Δ| {c['indexer_logits_max_abs_err']:.2e}: " + ("ok" if c["indexer_logits_ok"] else "FAIL"),
+            )
+            t.add_row("indexer top-k slots = twin's top-k", "ok" if c["indexer_topk_ok"] else "FAIL")
     console.print(t)
     console.print("[bold green]PASS[/bold green]" if ok else "[bold red]FAIL[/bold red]")
     if args.json is not None:
