@@ -130,17 +130,22 @@ class PortableBackend(Backend):
         return launch(p, table, config, workspace)
 
 
+def hopper_unsupported(dev: torch.device) -> str | None:
+    """Why the Gluon Hopper kernel cannot run on ``dev`` (None when it can): it needs compiled
+    kernels on an sm_90 GPU (the decode's ``hopper`` backend and the prefill's)."""
+    if dev.type != "cuda" or interpreting():
+        return "needs a CUDA device and compiled kernels (not TRITON_INTERPRET=1)"
+    major, minor = torch.cuda.get_device_capability(dev)
+    if major != 9:
+        return f"needs an sm_90 (Hopper) GPU, this one is sm_{major}{minor}"
+    return None
+
+
 class HopperBackend(Backend):
     name = "hopper"
 
     def unsupported(self, p: DecodeProblem) -> str | None:
-        dev = p.q.device
-        if dev.type != "cuda" or interpreting():
-            return "needs a CUDA device and compiled kernels (not TRITON_INTERPRET=1)"
-        major, minor = torch.cuda.get_device_capability(dev)
-        if major != 9:
-            return f"needs an sm_90 (Hopper) GPU, this one is sm_{major}{minor}"
-        return None
+        return hopper_unsupported(p.q.device)
 
     def heads_per_cta(self, h_q: int) -> int:
         return 64  # one wgmma M tile; rows past h_q are zero queries, never stored

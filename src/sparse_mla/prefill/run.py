@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import interpreting, use_triton
+from ..decode.backends import hopper_unsupported as device_unsupported
+from ..runtime import use_triton
 from .problem import PrefillProblem
 
 __all__ = ["PREFILL_BACKENDS", "resolve_prefill_backend", "run_prefill"]
@@ -19,15 +20,10 @@ PREFILL_BACKENDS = ("hopper", "portable", "reference")
 
 def hopper_unsupported(p: PrefillProblem) -> str | None:
     """Why the ``hopper`` prefill cannot run ``p`` (None when it can)."""
-    dev = p.q.device
-    if dev.type != "cuda" or interpreting():
-        return "needs a CUDA device and compiled kernels (not TRITON_INTERPRET=1)"
-    major, minor = torch.cuda.get_device_capability(dev)
-    if major != 9:
-        return f"needs an sm_90 (Hopper) GPU, this one is sm_{major}{minor}"
-    if not p.kv_fp8:
+    why = device_unsupported(p.q.device)
+    if why is None and not p.kv_fp8:
         return "reads the FP8 paged cache only (kv is bf16 rows here)"
-    return None
+    return why
 
 
 def resolve_prefill_backend(p: PrefillProblem, backend: str = "auto") -> str:
