@@ -414,3 +414,70 @@ for fn in (lambda: flash_mla.flash_mla_with_kvcache(p.q, p.k_cache, None, None, 
     r = _run(code, {})
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("ERR TRITON_INTERPRET=1 was set after Triton") == 2, r.stdout
+
+
+# ------------------------------------------------------------------------------ output buffers, repeated calls
+
+
+def _decode(p, meta, **kw):
+    return flash_mla.flash_mla_with_kvcache(
+        p.q, p.k_cache, None, None, 512, meta, is_fp8_kvcache=True, **{**p.api_kwargs(), **kw}
+    )
+
+
+@needs_kernels
+def test_self_overlapping_or_aliasing_outputs_are_refused():
+    p = to_dev(make_problem(b=2, s_q=1, h_q=16, topk=64, num_blocks=4, seed=31))
+    meta, _ = flash_mla.get_mla_metadata()
+    b, s_q, h_q = 2, 1, 16
+    lse_x = torch.empty(1, h_q, s_q, device=DEVICE).expand(b, h_q, s_q)
+    with pytest.raises(ValueError, match="^lse: its elements overlap"):
+        _decode(p, meta, lse=lse_x)
+    out_x = torch.empty(1, s_q, h_q, 512, dtype=torch.bfloat16, device=DEVICE).expand(b, s_q, h_q, 512)
+    with pytest.raises(ValueError, match="^out: its elements overlap"):
+        _decode(p, meta, out=out_x)
+    # out over the queries (MODEL1: d_qk = d_v = 512, same dtype) and lse inside out
+    p1 = to_dev(make_problem(b=2, s_q=1, h_q=16, topk=64, num_blocks=4, seed=32, layout="MODEL1"))
+    with pytest.raises(ValueError, match="^out: must not overlap"):
+        _decode(p1, meta, out=p1.q)
+    out = torch.empty(b, s_q, h_q, 512, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="^lse: must not overlap"):
+        _decode(p, meta, out=out, lse=out.view(torch.float32)[..., :1].reshape(b, s_q, h_q).transpose(1, 2))
+    # disjoint slices of one buffer are fine
+    buf = torch.empty(2 * b * s_q * h_q * 512, dtype=torch.bfloat16, device=DEVICE)
+    o, lse = _decode(p, meta, out=buf[: b * s_q * h_q * 512].view(b, s_q, h_q, 512))
+    ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512)
+    check_decode_close(o, lse, ro, rl)
+
+
+@needs_kernels
+def test_a_repeated_call_checks_its_scalars_as_the_first():
+    p = to_dev(make_problem(b=2, s_q=1, h_q=16, topk=64, num_blocks=4, seed=33))
+    meta, _ = flash_mla.get_mla_metadata()
+    _decode(p, meta, softmax_scale=1.0)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        _decode(p, meta, softmax_scale=True)
+    with pytest.raises((TypeError, ValueError), match="head_dim_v"):
+        flash_mla.flash_mla_with_kvcache(p.q, p.k_cache, None, None, 512.0, meta, is_fp8_kvcache=True, **p.api_kwargs())
+
+
+@needs_kernels
+def test_pool_views_at_other_offsets_share_the_scheduler_objects_entry(monkeypatch):
+    # layers as views of one cache pool: one scheduler object, validated once for all of them
+    import sparse_mla.serving.ops as ops
+
+    p = to_dev(make_problem(b=2, s_q=1, h_q=16, topk=64, num_blocks=4, seed=34))
+    pool = torch.cat([p.k_cache.view(torch.uint8)] * 2)  # two layers' caches, the same bytes
+    layers = [pool[:4].view(p.k_cache.dtype), pool[4:].view(p.k_cache.dtype)]
+    meta, _ = flash_mla.get_mla_metadata()
+    calls = []
+    real = ops.validate_sparse_decode
+    monkeypatch.setattr(ops, "validate_sparse_decode", lambda **kw: calls.append(1) or real(**kw))
+    ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512)
+    for _step in range(3):
+        for kc in layers:
+            out, lse = flash_mla.flash_mla_with_kvcache(
+                p.q, kc, None, None, 512, meta, is_fp8_kvcache=True, **p.api_kwargs()
+            )
+            check_decode_close(out, lse, ro, rl)
+    assert len(calls) == 1

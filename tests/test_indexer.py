@@ -298,7 +298,7 @@ def test_logits_kernels_both_dot_paths(fp8_dot):
     # every e4m3 byte (subnormals, +-0, 448, NaN) and with several tiles per program
     from sparse_mla.indexer.kernels import fp8_dot_supported, launch_mqa_logits, launch_paged_mqa_logits
 
-    if fp8_dot and not fp8_dot_supported(torch.device(DEVICE)):
+    if fp8_dot and ON_GPU and not fp8_dot_supported(torch.device(DEVICE)):
         pytest.skip("no e4m3 dot on this GPU")
     d, h, s_kv = 32, 4, 256  # e4m3 tensor-core dots need head_dim >= 32
     kv8 = torch.arange(s_kv, dtype=torch.int32).to(torch.uint8).view(s_kv, 1).repeat(1, d)
@@ -579,3 +579,23 @@ def test_operators_opcheck_and_compile():
         torch.ops.sparse_mla.fp8_mqa_logits(q[0], kvb, sc, w[:2], r0, r1),
         flash_mla.fp8_mqa_logits(q[0], (kvb, sc), w[:2], r0, r1),
     )
+
+
+def test_nan_query_bytes_give_nan_logits_on_the_default_path():
+    # e4m3 NaN bytes (0x7F / 0xFF: a NaN activation cast to float8) in a query: the twin's logits of
+    # that row are NaN wherever a key is visible; the kernels' default path must agree (on a CPU
+    # that is the exact integer decode: the interpreter's FP8 dots read those bytes as +-480)
+    d, h, s_kv = 32, 4, 96
+    q = random_q((3, h, d), seed=41)
+    q.view(torch.uint8)[0, 1, 5] = 0x7F
+    q.view(torch.uint8)[2, 0, 0] = 0xFF
+    kv = random_q((s_kv, d), seed=42)
+    sc = torch.rand(s_kv, device=DEVICE) + 0.5
+    w = torch.rand(3, h, device=DEVICE) + 0.1
+    ks = torch.tensor([0, 10, 0], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([96, 50, 1], dtype=torch.int32, device=DEVICE)
+    got = flash_mla.fp8_mqa_logits(q, (kv, sc), w, ks, ke)
+    want = fp8_mqa_logits_reference(q, kv, sc, w, ks, ke)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and bool(torch.isnan(want[0]).any())
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))

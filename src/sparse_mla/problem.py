@@ -221,16 +221,19 @@ def validate_sparse_decode(
         _check_indices(extra_indices_in_kvcache, "extra_indices_in_kvcache", b, s_q, dev)
         extra_topk_length = _check_vector(extra_topk_length, "extra_topk_length", torch.int32, b, "b", dev)
     attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
+    inputs = (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     if out is not None:
         check_tensor(out, "out", (torch.bfloat16,), 4, dev)
         if tuple(out.shape) != (b, s_q, h_q, lay.d_v):
             raise ValueError(f"out: expected shape [b={b}, s_q={s_q}, h_q={h_q}, d_v={lay.d_v}], got {list(out.shape)}")
         if out.stride(-1) != 1 and out.numel() > 0:
             raise ValueError("out: the last dimension must be contiguous (stride 1)")
+        _check_output_buffer(out, "out", inputs)
     if lse is not None:
         check_tensor(lse, "lse", (torch.float32,), 3, dev)
         if tuple(lse.shape) != (b, h_q, s_q):
             raise ValueError(f"lse: expected shape [b={b}, h_q={h_q}, s_q={s_q}], got {list(lse.shape)}")
+        _check_output_buffer(lse, "lse", (*inputs, out))
     return DecodeProblem(
         q=q,
         k_cache=k_cache,
@@ -293,3 +296,34 @@ def empty_outputs(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [b, s_q, h_q, d_v]`` bf16 and ``lse [b, h_q, s_q]`` fp32 of an empty step (no launch;
     the caller's ``out``/``lse`` when given)."""
     return output_tensors(p)
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last]`` byte addresses a non-empty tensor's elements touch."""
+    lo = hi = t.data_ptr()
+    for n, st in zip(t.shape, t.stride(), strict=True):
+        span = (n - 1) * st * t.element_size()
+        lo, hi = (lo + span, hi) if span < 0 else (lo, hi + span)
+    return lo, hi + t.element_size() - 1
+
+
+def _check_output_buffer(t: torch.Tensor, name: str, others: tuple) -> None:
+    """An output buffer must hold each element once (no expanded or otherwise self-overlapping
+    strides: checked by the sufficient rule that each stride, in increasing order, exceeds the
+    span of the smaller ones) and must not share bytes with the inputs or another output."""
+    if t.numel() == 0:
+        return
+    span = 0
+    for n, st in sorted(((n, abs(st)) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1), key=lambda x: x[1]):
+        if st <= span:
+            raise ValueError(
+                f"{name}: its elements overlap in memory (expanded or overlapping strides {tuple(t.stride())})"
+            )
+        span += (n - 1) * st
+    lo, hi = _byte_range(t)
+    for o in others:
+        if o is None or o.numel() == 0 or o.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+            continue
+        olo, ohi = _byte_range(o)
+        if lo <= ohi and olo <= hi:
+            raise ValueError(f"{name}: must not overlap an input or another output in memory")

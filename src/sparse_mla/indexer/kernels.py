@@ -249,7 +249,7 @@ def _paged_mqa_logits_kernel(
     n_tiles = tl.cdiv(max_ctx, BLOCK_N)
     t_lo = tl.program_id(1) * tiles_per_prog
     t_hi = tl.minimum(t_lo + tiles_per_prog, n_tiles)
-    t_mid = tl.maximum(tl.minimum(t_hi, tl.cdiv(ctx, BLOCK_N)), t_lo)
+    t_mid = tl.maximum(tl.minimum(t_hi, tl.cdiv(ctx.to(tl.int64), BLOCK_N)), t_lo)  # int64: ctx near 2^31
     if FOR_LOOP:
         for t in tl.range(t_lo, t_mid, num_stages=NUM_STAGES):
             _paged_tile(t, ctx, q_t, w, pp, bt_row, max_blocks, cache_ptr, stride_blk, bs, nb, out_rows, row_mask,
@@ -276,10 +276,12 @@ PAGED_CONFIG = dict(block_n=64, rows=256, num_warps=4, num_stages=4, progs_per_s
 
 
 def fp8_dot_supported(device: torch.device) -> bool:
-    """Whether ``tl.dot`` takes float8e4nv operands on ``device``: CUDA sm_89+ and the interpreter
-    (AMD and older NVIDIA GPUs: the fp16 decode path)."""
-    if device.type != "cuda":
-        return True
+    """Whether the logits kernels take e4m3 tensor-core dots on ``device`` by default: compiled on
+    CUDA sm_89+ (AMD, older NVIDIA GPUs and the interpreter: the exact integer e4m3 decode)."""
+    if device.type != "cuda" or interpreting():
+        # the interpreter: Triton 3.6-3.9 read e4m3 NaN bytes as +-480 inside its FP8 dots, so CPU
+        # calls take the exact integer decode (tests still run the FP8 path there by asking for it)
+        return False
     if torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)

@@ -128,8 +128,8 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int, n
     """
     check_tensor_arg(context_lens, "context_lens", (torch.int32,), 1)
     for name, v in (("block_size", block_size), ("num_sms", num_sms)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 1 <= v < 2**31:
+            raise ValueError(f"{name}: expected a positive int below 2^31, got {v!r}")
     return torch.tensor([int(block_size), int(num_sms)], dtype=torch.int32)
 
 

@@ -352,7 +352,9 @@ def decode(
     fields = dict(q=q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
                   extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,
                   extra_topk_length=extra_topk_length, out=out, lse=lse)  # fmt: skip
+    # with their types: 512.0 == 512 and True == 1, but validation refuses a float head_dim_v / bool scale
     scalars = (head_dim_v, softmax_scale, is_fp8_kvcache, causal, backend)
+    scalars = (scalars, tuple(map(type, scalars)))
     fp = None if through_op else _fingerprint(fields.values())
     cached = tile_scheduler_metadata.call_cache
     if fp is not None and cached is not None and cached[0] == fp and cached[1] == scalars:
@@ -460,14 +462,16 @@ _VECTOR_FIELDS = ("topk_length", "attn_sink", "extra_topk_length")
 
 
 def _fingerprint(tensors) -> tuple | None:
-    """What validation depends on in the tensor arguments (dtype, shape, strides, offset, device,
-    16-byte alignment), or None when one is neither a plain tensor nor None (no shortcut)."""
+    """What validation depends on in the tensor arguments (dtype, shape, strides, device, 16-byte
+    alignment), or None when one is neither a plain tensor nor None (no shortcut). Not the storage
+    offset: the layers of an engine are often views of one pool at different offsets, and one
+    scheduler object serves them all (a fingerprint per offset re-validated every layer's call)."""
     fp = []
     for t in tensors:
         if t is None:
             fp.append(None)
         elif type(t) is torch.Tensor:
-            fp.append((t.dtype, t.shape, t.stride(), t.storage_offset(), t.device, t.data_ptr() & 15))
+            fp.append((t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15))
         else:
             return None
     return tuple(fp)
