@@ -481,3 +481,17 @@ def test_pool_views_at_other_offsets_share_the_scheduler_objects_entry(monkeypat
             )
             check_decode_close(out, lse, ro, rl)
     assert len(calls) == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_another_gpu_than_the_current_one():
+    # the kernels launch on the tensors' GPU, not on the current device
+    p = make_problem(b=2, s_q=1, h_q=16, topk=64, num_blocks=4, seed=35).to("cuda:1")
+    ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512)
+    with torch.cuda.device(0):
+        meta, _ = flash_mla.get_mla_metadata()
+        out, lse = _decode(p, meta)
+        out2, lse2 = _decode(p, meta)  # the repeated (replayed) call too
+    assert out.device == torch.device("cuda:1")
+    check_decode_close(out, lse, ro, rl)
+    check_decode_close(out2, lse2, ro, rl)

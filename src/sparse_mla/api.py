@@ -19,6 +19,7 @@ import torch
 from .plan import FlashMLASchedMeta, check_sched_meta, decode_workspace_bytes, get_mla_metadata
 from .prefill.problem import check_prefill_scalars, validate_sparse_prefill
 from .prefill.run import run_prefill
+from .runtime import on_tensor_device
 from .serving.ops import decode
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
 ]
 
 
+@on_tensor_device
 def flash_mla_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -126,6 +128,7 @@ def flash_mla_with_kvcache(
     )  # fmt: skip
 
 
+@on_tensor_device
 def flash_mla_sparse_fwd(
     q: torch.Tensor,
     kv: torch.Tensor,

@@ -18,7 +18,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["interpreting", "use_triton", "require_runnable", "backend_override", "cuda_num_sms", "LOG2E", "LN2"]
+__all__ = [
+    "interpreting",
+    "use_triton",
+    "require_runnable",
+    "backend_override",
+    "cuda_num_sms",
+    "on_tensor_device",
+    "LOG2E",
+    "LN2",
+]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -74,3 +83,25 @@ def cuda_num_sms(device: torch.device | int | None = None) -> int:
 @functools.cache
 def _cuda_num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def on_tensor_device(fn):
+    """Run ``fn`` with the current CUDA device set to its first argument's (a tensor): Triton and
+    our launchers launch on the current device, so a call whose tensors live on another GPU
+    than the current one would otherwise launch there with foreign pointers. Nothing changes
+    when they agree (one comparison), for CPU tensors, or under ``torch.compile``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t = args[0] if args else None
+        if (
+            type(t) is torch.Tensor
+            and t.is_cuda
+            and not torch.compiler.is_compiling()
+            and t.device.index != torch.cuda.current_device()
+        ):
+            with torch.cuda.device(t.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper

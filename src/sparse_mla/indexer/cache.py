@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..runtime import use_triton
+from ..runtime import on_tensor_device, use_triton
 from .checks import check_index_cache, check_tensor_arg
 from .reference import dequantize_indexer_cache, indexer_k_quant_and_cache_reference
 
@@ -44,6 +44,7 @@ def _check_args(k: Any, kv_cache: Any, slot_mapping: Any, scale_fmt: Any) -> int
     return d
 
 
+@on_tensor_device
 def indexer_k_quant_and_cache(
     k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, scale_fmt: str | None = "ue8m0"
 ) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..runtime import use_triton
+from ..runtime import on_tensor_device, use_triton
 from .checks import HEAD_DIMS, check_index_cache, check_tensor_arg
 from .reference import fp8_mqa_logits_reference, fp8_paged_mqa_logits_reference
 
@@ -57,6 +57,7 @@ def _check_int_vector(x: Any, name: str, n: int, n_name: str, dev: torch.device)
     return x.contiguous()
 
 
+@on_tensor_device
 def fp8_mqa_logits(
     q: torch.Tensor,
     kv: tuple[torch.Tensor, torch.Tensor],
@@ -133,6 +134,7 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_size: int, n
     return torch.tensor([int(block_size), int(num_sms)], dtype=torch.int32)
 
 
+@on_tensor_device
 def fp8_paged_mqa_logits(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..runtime import use_triton
+from ..runtime import on_tensor_device, use_triton
 from ..serving.reference import abs_indices_to_kvcache_indices
 from .checks import check_tensor_arg
 
@@ -53,6 +53,7 @@ def _check_range(x: Any, name: str, rows: int, dev: torch.device) -> torch.Tenso
     return x.long()
 
 
+@on_tensor_device
 def topk_indices(
     logits: torch.Tensor, k: int, row_starts: torch.Tensor | None = None, row_ends: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -101,6 +102,7 @@ def topk_indices(
     return out
 
 
+@on_tensor_device
 def topk_kvcache_indices(
     logits: torch.Tensor,
     k: int,

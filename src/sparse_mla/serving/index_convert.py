@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import require_runnable, use_triton
+from ..runtime import on_tensor_device, require_runnable, use_triton
 from .checks import check_abs_index_args
 
 __all__ = ["abs_indices_to_kvcache_indices_triton"]
@@ -60,6 +60,7 @@ def _abs_to_cache_kernel(
     tl.store(out_ptr + bi * stride_ob + si * stride_os + cols * stride_ot, res.to(tl.int32), mask=cmask)
 
 
+@on_tensor_device
 def abs_indices_to_kvcache_indices_triton(
     abs_indices: torch.Tensor, block_table: torch.Tensor, page_block_size: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..formats import KVCacheLayout, LayoutLike, cache_bytes
-from ..runtime import require_runnable, use_triton
+from ..runtime import on_tensor_device, require_runnable, use_triton
 from .checks import check_store_args
 
 __all__ = ["quantize_and_store_kv", "launch"]
@@ -150,6 +150,7 @@ def _quantize_store_kernel(
     tl.store(rope_dst[:, None] + rc[None, :], rope, mask=valid[:, None])
 
 
+@on_tensor_device
 def quantize_and_store_kv(
     kv: torch.Tensor,
     slot_mapping: torch.Tensor,
