@@ -2,7 +2,7 @@
 # GPU check: the whole test suite compiled on CUDA (real shapes in tests/test_gpu.py, the Hopper
 # kernel in tests/test_gluon.py, the serving path in tests/test_serving_gpu.py), then the decode
 # benchmark (BENCH_ARGS, e.g. --quick), the host time of eager calls, the prefill and indexer benchmarks, the store benchmark and
-# serve-sim at DeepSeek-V3.2 size.
+# serve-sim at DeepSeek-V3.2 size (with random top-k positions, then with the indexer).
 # Run on the device from the repo root; logs and the benchmarks' JSON go to $OUT (or ./gpu_out).
 # Extra arguments go to pytest.
 #
@@ -36,4 +36,5 @@ python3 -m benchmarks.prefill --quick --json "$OUT/bench_prefill.json" 2>&1 | te
 python3 -m benchmarks.indexer --quick --json "$OUT/bench_indexer.json" 2>&1 | tee "$OUT/bench_indexer.log"
 python3 -m benchmarks.store --quick --json "$OUT/bench_store.json" > "$OUT/bench_store.log" 2>&1; tail -15 "$OUT/bench_store.log"
 python3 -m sparse_mla serve-sim --device cuda --no-progress --json "$OUT/serve_sim.json" 2>&1 | tee "$OUT/serve_sim.log" | tail -16
+python3 -m sparse_mla serve-sim --device cuda --indexer --no-progress --json "$OUT/serve_sim_indexer.json" 2>&1 | tee "$OUT/serve_sim_indexer.log" | tail -18
 exit $status
