@@ -392,3 +392,21 @@ def test_cuda_graph_capture_and_replay():
     for a, b in zip(got, again, strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(got[2], want[2])
+
+
+@pytest.mark.gpu
+def test_a_schedule_first_built_in_a_graph_is_not_reused_eagerly():
+    # the Hopper route builds its per-shape table on the device; built during capture its values
+    # exist only once the graph replays, so it must not serve a later eager call of that shape
+    q, kv, idx, kw = make_case(8, 64, 256, form="fp8", s_kv=2048, seed=17)
+    flash_mla.flash_mla_sparse_fwd(q[:3], kv, idx[:3], 0.05)  # kernels compiled, another shape
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05)
+    g.replay()
+    eager = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05)
+    torch.cuda.synchronize()
+    ro, rm, rl = sparse_prefill_reference(q, kv, idx, 0.05)
+    check_prefill_close(*eager, ro, rm, rl)
+    check_prefill_close(*got, ro, rm, rl)

@@ -28,11 +28,13 @@ _MAX_TABLES = 64
 
 def prefill_table(s_q: int, topk: int, device: torch.device) -> ScheduleTable:
     """One partition per query token, each over all ``ceil(topk / 64)`` blocks of its token,
-    nothing split (built on ``device`` without a host sync; remembered per shape)."""
+    nothing split (built on ``device`` without a host sync; remembered per shape, except when
+    built during CUDA-graph capture: its values are then only written when the graph replays)."""
     key = (s_q, topk, device)
     t = _TABLES.get(key)
     if t is not None:
         return t
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     nb = max(-(-topk // TOPK_BLOCK_SIZE), 1)
     i32 = dict(dtype=torch.int32, device=device)
     req = torch.arange(s_q, **i32)
@@ -53,6 +55,8 @@ def prefill_table(s_q: int, topk: int, device: torch.device) -> ScheduleTable:
         num_acc_rows=0,
         max_pieces=1,
     )
+    if capturing:
+        return t
     if len(_TABLES) >= _MAX_TABLES:
         _TABLES.clear()
     _TABLES[key] = t
