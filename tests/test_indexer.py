@@ -18,6 +18,7 @@ from sparse_mla.indexer.reference import (
     topk_indices_reference,
 )
 from sparse_mla.reference import sparse_decode_reference
+from sparse_mla.testing import abs_e4m3, abs_index_cache, indexer_logits_closeness
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -46,35 +47,15 @@ def fill_cache(num_blocks, block_size, d, seed, scale_fmt="ue8m0"):
     return cache, k
 
 
-# FP8 tensor-core dots (compiled on sm_89+, head_dim >= 32) accumulate with ~14 mantissa bits
-# inside the MMA, relative to the terms q_d·k_d (which cancel in the dot): the bound there is 2^-11
-# of Σ_h |w|·Σ_d |q_d·k_d|·scale (the twin on |q|, |k|, |w|: ``magnitude``); fp32 / fp16-decode
-# dots (the interpreter, older GPUs) hold 1e-5 of it
+# FP8 tensor-core dots: compiled on sm_89+ (head_dim >= 32), bound in docs/design.md section 6
 FP8_TC = ON_GPU and torch.cuda.get_device_capability() >= (8, 9) and torch.version.hip is None
 
 
-def abs_e4m3(t):
-    """|t| of e4m3 values (the sign bit cleared; NaN stays NaN)."""
-    return (t.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
-
-
-def abs_cache(cache):
-    """The index cache with |key| bytes (its fp32 scales, positive, untouched)."""
-    nb, bs, _, w = cache.shape
-    c = cache.clone().view(nb, bs * w)
-    c[:, : bs * (w - 4)] &= 0x7F
-    return c.view(cache.shape)
-
-
 def close_to(got, want, magnitude, d=128):
-    """|got - want| <= rel · magnitude + 1e-4 where finite (``magnitude``: the twin on |q|, |k|,
-    |w|; sums of terms of both signs cancel, so the bound is relative to the terms, not to the
-    sum); rel 2^-11 on FP8 tensor cores, else 1e-5."""
-    rel = 2.0**-11 if FP8_TC and d >= 32 else 1e-5
-    fin = torch.isfinite(want)
-    assert torch.equal(fin, torch.isfinite(got))
-    err = (got[fin] - want[fin]).abs()
-    assert (err <= rel * magnitude[fin] + 1e-4).all(), float((err - rel * magnitude[fin]).max())
+    """:func:`sparse_mla.testing.indexer_logits_closeness` (``magnitude``: the twin on |q|, |k|,
+    |w|), asserted; the FP8 tensor-core bound where the kernels take e4m3 dots (head_dim >= 32)."""
+    ok, _, worst = indexer_logits_closeness(got, want, magnitude, FP8_TC and d >= 32)
+    assert ok, worst
 
 
 def random_q(shape, seed):
@@ -216,7 +197,10 @@ def test_paged_logits_kernel_matches_twin(next_n, h, d, block_size):
     assert got.shape == (b * next_n, max_len)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     close_to(
-        got, want, fp8_paged_mqa_logits_reference(abs_e4m3(q), abs_cache(cache), w.abs(), ctx, table, max_len), d=d
+        got,
+        want,
+        fp8_paged_mqa_logits_reference(abs_e4m3(q), abs_index_cache(cache), w.abs(), ctx, table, max_len),
+        d=d,
     )
     assert torch.isneginf(got[:next_n]).all()  # empty context
     assert torch.isneginf(got[3 * next_n :, 2 * block_size : 3 * block_size]).all()
@@ -260,7 +244,10 @@ def test_paged_logits_corner_cases(next_n, h, d, block_size, num_sms):
     want = fp8_paged_mqa_logits_reference(q, cache, w, ctx, table, max_len)
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and not torch.isnan(got).any()
     close_to(
-        got, want, fp8_paged_mqa_logits_reference(abs_e4m3(q), abs_cache(cache), w.abs(), ctx, table, max_len), d=d
+        got,
+        want,
+        fp8_paged_mqa_logits_reference(abs_e4m3(q), abs_index_cache(cache), w.abs(), ctx, table, max_len),
+        d=d,
     )
     for i, c in enumerate(ctx_list):  # query position p sees keys j <= c - next_n + p, exactly
         for p in range(next_n):
@@ -340,7 +327,7 @@ def test_logits_kernels_both_dot_paths(fp8_dot):
     wantp = fp8_paged_mqa_logits_reference(qp, cache, wp, ctx, table, 260)
     assert torch.equal(torch.isnan(outp), torch.isnan(wantp)) and bool(torch.isnan(wantp).any()) == nan_bytes
     fin = ~torch.isnan(wantp)
-    mag = fp8_paged_mqa_logits_reference(abs_e4m3(qp), abs_cache(cache), wp.abs(), ctx, table, 260)
+    mag = fp8_paged_mqa_logits_reference(abs_e4m3(qp), abs_index_cache(cache), wp.abs(), ctx, table, 260)
     close_to(outp[fin].view(1, -1), wantp[fin].view(1, -1), mag[fin].view(1, -1), d=d)
 
 
@@ -440,7 +427,7 @@ def test_one_decode_step_end_to_end():
     close_to(
         logits,
         ref_logits,
-        fp8_paged_mqa_logits_reference(abs_e4m3(q_idx), abs_cache(idx_cache), w.abs(), ctx, table, 80),
+        fp8_paged_mqa_logits_reference(abs_e4m3(q_idx), abs_index_cache(idx_cache), w.abs(), ctx, table, 80),
         d=d_idx,
     )
     # top-k of the kernel's logits (FP8 tensor cores round differently from the fp32 twin, so near

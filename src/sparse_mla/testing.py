@@ -22,6 +22,9 @@ __all__ = [
     "check_decode_close",
     "check_prefill_close",
     "cos_diff",
+    "abs_e4m3",
+    "abs_index_cache",
+    "indexer_logits_closeness",
 ]
 
 
@@ -184,3 +187,38 @@ def check_prefill_close(
     assert d.n_over == 0, (
         f"max_logits: {d.n_over} entries out of tolerance, worst at {list(d.worst_index)}; max |d| = {d.max_abs_err:.3g}"
     )
+
+
+# ------------------------------------------------------------------------------ indexer logits
+
+
+def abs_e4m3(t: torch.Tensor) -> torch.Tensor:
+    """``|t|`` of e4m3 values (float8_e4m3fn or their uint8 bytes; the sign bit cleared, NaN stays NaN)."""
+    return (t.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
+
+
+def abs_index_cache(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of the indexer key cache ``[num_blocks, block_size, 1, D + 4]`` uint8 with ``|key|``
+    bytes (its fp32 scales, positive, untouched)."""
+    nb, bs, _, w = cache.shape
+    c = cache.clone().view(nb, bs * w)
+    c[:, : bs * (w - 4)] &= 0x7F
+    return c.view(cache.shape)
+
+
+def indexer_logits_closeness(
+    got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor, tensor_cores: bool
+) -> tuple[bool, float, float]:
+    """Indexer logits against the twin (docs/design.md §6): the same finite entries, and there
+    ``|got - want| <= rel · magnitude + 1e-4`` with ``magnitude`` the twin evaluated on ``|q|``,
+    ``|k|``, ``|w|`` (the size of the dot's terms, which cancel in the dot) and ``rel`` 2^-11 on
+    e4m3 tensor cores (the MMA keeps ~14 bits of the terms), 1e-5 elsewhere.
+
+    Returns ``(ok, max |got - want|, worst excess over the bound)`` over the finite entries."""
+    rel = 2.0**-11 if tensor_cores else 1e-5
+    fin = torch.isfinite(want)
+    err = (got[fin] - want[fin]).abs()
+    excess = err - rel * magnitude[fin] - 1e-4
+    worst = float(excess.max()) if excess.numel() else 0.0
+    same_fin = bool(torch.equal(fin, torch.isfinite(got)))
+    return same_fin and worst <= 0, float(err.max()) if err.numel() else 0.0, worst

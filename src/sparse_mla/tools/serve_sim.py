@@ -313,6 +313,7 @@ class ServeSim:
         """The indexer's key cache (DeepGEMM's paged layout, same pages as the attention cache)
         with every initial token's key, and the step's indexer buffers."""
         from ..indexer import get_paged_mqa_logits_metadata, indexer_k_quant_and_cache
+        from ..runtime import cuda_num_sms
 
         cfg, dev, B = self.cfg, self.device, self.B
         D, H = cfg.index_dim, cfg.index_heads
@@ -324,9 +325,7 @@ class ServeSim:
         self.ik_buf = torch.empty(B, D, dtype=torch.bfloat16, device=dev)
         self.iq_buf = torch.empty(B, 1, H, D, dtype=torch.float8_e4m3fn, device=dev)
         self.w_buf = torch.empty(B, H, dtype=torch.float32, device=dev)
-        num_sms = cfg.num_sms or (
-            torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        )
+        num_sms = cfg.num_sms or (cuda_num_sms(dev) if dev.type == "cuda" else 4)
         self.logits_meta = get_paged_mqa_logits_metadata(self.ctx, self.pbs, num_sms)
 
     def _indexer_topk(self) -> None:
@@ -544,30 +543,22 @@ class ServeSim:
         and the slots equal to the twin's top-k of the same logits through the block table."""
         from ..indexer.kernels import fp8_dot_supported
         from ..indexer.reference import fp8_paged_mqa_logits_reference, topk_indices_reference
+        from ..serving.reference import abs_indices_to_kvcache_indices
+        from ..testing import abs_e4m3, abs_index_cache, indexer_logits_closeness
 
         args = (self.ctx, self.block_table, self.cfg.max_context)
         want = fp8_paged_mqa_logits_reference(self.iq_buf, self.index_cache, self.w_buf, *args)
-        # the same sum over |q|, |k|, |w|: how large the dot's terms are (FP8 MMAs round relative to them)
-        q_abs = (self.iq_buf.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
-        nb, bs, _, w = self.index_cache.shape
-        k_abs = self.index_cache.clone().view(nb, bs * w)
-        k_abs[:, : bs * (w - 4)] &= 0x7F
-        mag = fp8_paged_mqa_logits_reference(q_abs, k_abs.view(self.index_cache.shape), self.w_buf.abs(), *args)
-        tc = self.device.type == "cuda" and fp8_dot_supported(self.device) and self.cfg.index_dim >= 32
-        got = self.logits
-        fin = torch.isfinite(want)
-        err = (got[fin] - want[fin]).abs()
-        logits_ok = bool(torch.equal(fin, torch.isfinite(got))) and bool(
-            (err <= (2.0**-11 if tc else 1e-5) * mag[fin] + 1e-4).all()
+        mag = fp8_paged_mqa_logits_reference(
+            abs_e4m3(self.iq_buf), abs_index_cache(self.index_cache), self.w_buf.abs(), *args
         )
-        pos = topk_indices_reference(got.cpu(), self.topk, None, self.ctx.cpu()).long()
-        table = self.block_table.cpu().long()
-        slots = torch.gather(table, 1, pos.clamp(min=0) // self.pbs) * self.pbs + pos.clamp(min=0) % self.pbs
-        slots = torch.where(pos >= 0, slots, -1)
-        topk_ok = bool(torch.equal(slots.int(), self.idx_buf.view(self.B, self.topk).cpu()))
+        tc = self.device.type == "cuda" and fp8_dot_supported(self.device) and self.cfg.index_dim >= 32
+        logits_ok, max_err, _ = indexer_logits_closeness(self.logits, want, mag, tc)
+        pos = topk_indices_reference(self.logits.cpu(), self.topk, None, self.ctx.cpu())
+        slots = abs_indices_to_kvcache_indices(pos.view(self.B, 1, self.topk), self.block_table.cpu(), self.pbs)
+        topk_ok = bool(torch.equal(slots.view(self.B, self.topk), self.idx_buf.view(self.B, self.topk).cpu()))
         return dict(
             indexer_logits_ok=logits_ok,
-            indexer_logits_max_abs_err=float(err.max()) if err.numel() else 0.0,
+            indexer_logits_max_abs_err=max_err,
             indexer_topk_ok=topk_ok,
         )
 
