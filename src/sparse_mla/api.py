@@ -31,7 +31,6 @@ __all__ = [
 ]
 
 
-@on_tensor_device
 def flash_mla_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,

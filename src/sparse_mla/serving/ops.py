@@ -38,7 +38,7 @@ from ..plan import DecodePlan, FlashMLASchedMeta, check_sched_meta, ensure_plan
 from ..prefill.problem import validate_sparse_prefill
 from ..prefill.run import run_prefill
 from ..problem import DecodeProblem, empty_outputs, into_buffers, is_empty, validate_sparse_decode
-from ..runtime import use_triton
+from ..runtime import on_tensor_device, use_triton
 from ..scheduler import MAX_ACC_ROWS_PER_PART, META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
 
 if TYPE_CHECKING:  # importing the launcher imports Triton
@@ -316,6 +316,7 @@ def traced_sparse_decode(
     )
 
 
+@on_tensor_device
 def decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
