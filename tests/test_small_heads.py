@@ -1,0 +1,291 @@
+"""The portable decode at small head counts (issue 12: tensor-parallel slices, 1 <= h_q <= 32,
+any value) vs the fp32 reference (:func:`sparse_mla.decode.reference.sparse_decode_reference`).
+
+For h_q <= 32 the portable kernel runs 16- or 32-head programs that put the 64 tokens of a block on
+the dots' M and the heads on their N (``HEADS_ON_N``), so head counts that are not a multiple of the
+tile leave padded head columns in every program: these tests cover every tile boundary (1, 3, 8,
+13, 16 | 17, 24, 31, 32), both cache layouts, the optional inputs, invalid indices, NaN in unused
+cache slots, odd page sizes, and an unsplit (one partition) and a split (combine) schedule for
+each. Inputs are fresh random data, seeded from the case's name. Under the interpreter on a CPU
+the shapes are small (topk <= 160, b <= 3).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+from cache_bytes import storage_bytes, token_byte_offsets
+from helpers import check_decode_close, make_problem
+
+import sparse_mla as flash_mla
+from sparse_mla.decode import BACKENDS
+from sparse_mla.decode import portable as portable_mod
+from sparse_mla.decode.reference import LOG2E, gather_kv, sparse_decode_reference
+from sparse_mla.scheduler import compute_num_sm_parts
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+KERNELS = ON_GPU or os.environ.get("TRITON_INTERPRET", "0") == "1"
+needs_kernels = pytest.mark.skipif(
+    not KERNELS, reason="kernels need a GPU or TRITON_INTERPRET=1 (set before starting pytest)"
+)
+
+INF = float("inf")
+
+
+def _seed(name: str) -> int:
+    return zlib.crc32(name.encode()) % 10_000
+
+
+def _sink(h_q: int, seed: int, with_inf: bool) -> list[float]:
+    """Per-head sinks around the lse values (random, O(1)); ``with_inf``: head 0 gets +inf (its
+    output must be 0) and head 1 -inf (no effect), when there are heads to spare."""
+    g = torch.Generator().manual_seed(seed + 77)
+    s = (torch.randn(h_q, generator=g) * 2 + 1).tolist()
+    if with_inf and h_q >= 3:
+        s[0], s[1] = INF, -INF
+    return s
+
+
+def _poke_invalid(p) -> None:
+    """Put the edge values of invalid indices at fixed places: -1, exactly num_tokens (the first
+    slot past the cache), num_tokens + 7 and INT32_MAX (on top of make_problem's random ones)."""
+    nb, pbs = p.k_cache.shape[:2]
+    n_tok = nb * pbs
+    b = p.indices.shape[0]
+    p.indices[0, 0, 1] = -1
+    p.indices[0, -1, 2] = n_tok
+    p.indices[b - 1, 0, 3] = n_tok + 7
+    p.indices[b - 1, -1, 5] = 2**31 - 1
+
+
+def _tile(h_q: int) -> int:
+    return BACKENDS["portable"].heads_per_cta(h_q)
+
+
+def _schedules(s_q: int, h_q: int) -> dict[str, int]:
+    """``num_sms`` of an unsplit schedule (one partition: every batch in one piece, no combine) and
+    of a split one (a partition per few blocks: batches in several pieces, combine kernel)."""
+    return {"unsplit": s_q * -(-h_q // _tile(h_q)), "split": 132}
+
+
+def run_portable(p, num_sms):
+    meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
+    out, lse = flash_mla.flash_mla_with_kvcache(
+        p.q, p.k_cache, None, None, 512, meta, is_fp8_kvcache=True, backend="portable", **p.api_kwargs()
+    )
+    assert meta.backend == "portable"
+    return out, lse, meta.table
+
+
+def reference(p):
+    return sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512, **p.ref_kwargs())
+
+
+def check_both_schedules(p) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Run the portable backend under the unsplit and the split schedule; each must match the
+    reference (FlashMLA's tolerances) and the schedule must be the intended one."""
+    b, s_q, h_q, _ = p.q.shape
+    ro, rl = reference(p)
+    results = []
+    for sched, num_sms in _schedules(s_q, h_q).items():
+        out, lse, table = run_portable(p, num_sms)
+        assert out.shape == (b, s_q, h_q, 512) and lse.shape == (b, h_q, s_q)
+        assert table.any_split == (sched == "split"), f"{sched}: any_split = {table.any_split}"
+        try:
+            check_decode_close(out, lse, ro, rl)
+        except AssertionError as e:
+            raise AssertionError(f"{sched} schedule (num_sms={num_sms}): {e}") from None
+        results.append((out, lse))
+    return results
+
+
+# (name, h_q, layout, s_q, b, topk, page_block_size, topk_length, extra_topk, extra_topk_length, sink)
+# Every h_q runs in both layouts; topk is never a multiple of 64 or a batch's topk_length cuts a
+# block, so each case has a partial last block; at least one batch has > 64 keys so that the split
+# schedule splits it. Extra caches (3 blocks of 32 tokens) in V32 and MODEL1 rows alike.
+CASES = [
+    ("h1-v32", 1, "V32", 1, 2, 96, 64, None, 0, None, False),
+    ("h1-m1-extra-len", 1, "MODEL1", 3, 2, 100, 64, [0, 100], 70, [70, 0], True),
+    ("h3-v32-len-sink", 3, "V32", 2, 3, 130, 64, [0, 70, 130], 0, None, True),
+    ("h3-m1-pbs61", 3, "MODEL1", 1, 2, 100, 61, None, 0, None, False),
+    ("h8-v32-pbs2", 8, "V32", 3, 2, 96, 2, [96, 33], 0, None, False),
+    ("h8-m1-extra-len-sink", 8, "MODEL1", 2, 3, 128, 64, [128, 0, 65], 96, [5, 96, 0], True),
+    ("h13-v32-len-sink", 13, "V32", 1, 3, 150, 64, [1, 150, 200], 0, None, True),
+    ("h13-m1-pbs61-extra", 13, "MODEL1", 3, 2, 96, 61, None, 64, None, False),
+    ("h16-v32-extra-len", 16, "V32", 2, 2, 160, 64, [160, 64], 40, [40, 17], False),
+    ("h16-m1-len-sink", 16, "MODEL1", 1, 3, 130, 64, [130, 0, 129], 0, None, True),
+    ("h17-v32-pbs61-len", 17, "V32", 3, 2, 100, 61, [99, 1], 0, None, False),
+    ("h17-m1-extra-sink", 17, "MODEL1", 2, 2, 96, 64, None, 80, None, True),
+    ("h24-v32-pbs2-sink", 24, "V32", 1, 3, 96, 2, None, 0, None, True),
+    ("h24-m1-len-extra", 24, "MODEL1", 3, 2, 150, 64, [150, 0], 64, [64, 64], False),
+    ("h31-v32-len-sink-extra", 31, "V32", 2, 3, 140, 64, [140, 65, 0], 50, [0, 50, 25], True),
+    ("h31-m1-pbs2", 31, "MODEL1", 1, 2, 100, 2, None, 0, None, False),
+    ("h32-v32-len-sink", 32, "V32", 3, 2, 128, 64, [127, 128], 0, None, True),
+    ("h32-m1-pbs61-extra-len-sink", 32, "MODEL1", 2, 3, 96, 61, [96, 70, 0], 90, [90, 0, 31], True),
+]
+
+
+def _problem(name, h_q, layout, s_q, b, topk, pbs, lens, extra, extra_lens, sink, invalid_frac=0.1):
+    seed = _seed(name)
+    p = make_problem(
+        b=b,
+        s_q=s_q,
+        h_q=h_q,
+        topk=topk,
+        layout=layout,
+        num_blocks=max(2 * topk // pbs + 2, 3),
+        page_block_size=pbs,
+        seed=seed,
+        invalid_frac=invalid_frac,
+        topk_length=lens,
+        extra_topk=extra,
+        extra_topk_length=extra_lens,
+        attn_sink=_sink(h_q, seed, with_inf=True) if sink else None,
+    )
+    _poke_invalid(p)
+    return p.to(DEVICE)
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference(case):
+    p = _problem(*case)
+    assert (p.q.float() != 0).all() and (p.k.float() != 0).all()  # fresh random data, never zeros
+    for out, _ in check_both_schedules(p):
+        if p.attn_sink is not None and p.q.shape[2] >= 3:
+            assert (out[:, :, 0].float() == 0).all()  # +inf sink zeroes head 0
+            assert (out[:, :, 1].float() != 0).any()
+
+
+def _poison_unattended(kc: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor | None) -> int:
+    """Fill every byte of ``kc``'s storage with 0xFF (NaN as e4m3, bf16, fp32 and e8m0 alike, so
+    NaN data and NaN scales), except the bytes of the slots that some valid, counted index attends
+    (an index below ``topk_length``, in ``[0, num_tokens)``). Returns the number of kept slots."""
+    nb, pbs = kc.shape[:2]
+    n_tok = nb * pbs
+    b, _, topk = indices.shape
+    pos = torch.arange(topk).view(1, 1, -1)
+    counted = pos < (lengths.cpu().long().view(-1, 1, 1) if lengths is not None else topk)
+    ix = indices.cpu().long()
+    ok = counted & (ix >= 0) & (ix < n_tok)
+    used = torch.unique(ix[ok])
+    flat = storage_bytes(kc)
+    at = token_byte_offsets(kc, used).reshape(-1).to(flat.device)
+    keep = flat[at].clone()
+    flat.fill_(0xFF)
+    flat[at] = keep
+    return used.numel()
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "h_q, layout, s_q, pbs, extra",
+    [(13, "V32", 2, 64, 70), (24, "MODEL1", 1, 61, 80), (3, "V32", 3, 2, 0)],
+    ids=["h13-v32-extra", "h24-m1-pbs61-extra", "h3-v32-pbs2"],
+)
+def test_nan_in_unattended_slots_never_leaks(h_q, layout, s_q, pbs, extra):
+    # slots past topk_length, behind invalid indices and never indexed hold NaN bytes and NaN
+    # scales; block padding (MODEL1) too; nothing of them may reach out or lse
+    b, topk = 3, 130
+    p = _problem(
+        f"nan-{h_q}-{layout}",
+        h_q,
+        layout,
+        s_q,
+        b,
+        topk,
+        pbs,
+        [130, 70, 0],
+        extra,
+        [extra, 0, 9] if extra else None,
+        True,
+        0.3,
+    )
+    n_tok = p.k_cache.shape[0] * p.k_cache.shape[1]
+    kept = _poison_unattended(p.k_cache, p.indices, p.topk_length)
+    assert 0 < kept < n_tok
+    if extra:
+        kept = _poison_unattended(p.extra_k_cache, p.extra_indices, p.extra_topk_length)
+        assert 0 < kept < p.extra_k_cache.shape[0] * p.extra_k_cache.shape[1]
+    for out, lse in check_both_schedules(p):
+        assert torch.isfinite(out.float()).all() and not torch.isnan(lse).any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("h_q, layout", [(5, "V32"), (17, "MODEL1"), (32, "V32")])
+def test_lonely_queries(h_q, layout):
+    # no valid key: out 0 and lse +inf whatever the sink (topk_length 0 with extra_topk_length 0,
+    # every index -1, every index out of range, only invalid indices below topk_length)
+    name = f"lonely-{h_q}-{layout}"
+    p = _problem(name, h_q, layout, 2, 4, 100, 64, [0, 100, 100, 3], 40, [0, 0, 0, 0], True)
+    n_tok = p.k_cache.shape[0] * p.k_cache.shape[1]
+    p.indices[1, 0] = -1
+    p.indices[1, 1] = n_tok
+    p.indices[2] = 2**31 - 1
+    p.indices[3, :, :3] = -1
+    for out, lse in check_both_schedules(p):
+        assert torch.isposinf(lse).all() and (out.float() == 0).all()
+
+
+# ------------------------------------------------------------------------------ the schedule
+
+
+def test_portable_head_tile():
+    """Programs of 16 heads for h_q <= 16, of 32 for 17..32 (heads on N), FlashMLA's 64 above."""
+    for h_q in range(1, 33):
+        assert _tile(h_q) == (16 if h_q <= 16 else 32), h_q
+    for h_q in (33, 64, 128):
+        assert _tile(h_q) == 64
+
+
+@needs_kernels
+@pytest.mark.parametrize("h_q", [1, 16, 17, 32, 33])
+def test_portable_launch_uses_the_tile(h_q, monkeypatch):
+    # the schedule is sized for the declared tile, and the kernel is launched with that tile:
+    # ceil(h_q / tile) programs per partition and query token, heads on N below 64
+    launches = []
+    real = portable_mod.launch_fitting
+
+    def spy(kernel, grid, args, consts, *rest):
+        launches.append((grid, consts))
+        return real(kernel, grid, args, consts, *rest)
+
+    monkeypatch.setattr(portable_mod, "launch_fitting", spy)
+    s_q, num_sms = 2, 24
+    p = _problem(f"tile-{h_q}", h_q, "V32", s_q, 2, 96, 64, None, 0, None, False)
+    out, lse, table = run_portable(p, num_sms)
+    tile = 16 if h_q <= 16 else 32 if h_q <= 32 else 64
+    assert table.num_sm_parts == compute_num_sm_parts(num_sms, s_q, h_q, tile)
+    assert len(launches) == 1
+    grid, consts = launches[0]
+    assert tuple(grid) == (table.num_sm_parts, s_q, -(-h_q // tile))
+    assert consts["BLOCK_H"] == tile and consts["HEADS_ON_N"] == (tile < 64)
+    check_decode_close(out, lse, *reference(p))
+
+
+@needs_kernels
+@pytest.mark.parametrize("h_q, layout, s_q", [(1, "V32", 2), (13, "MODEL1", 1), (32, "V32", 3)])
+def test_rising_scores_rescale_the_running_sum(h_q, layout, s_q):
+    # each query's keys sorted by rising score, with queries that make the scores spread widely
+    # (heads share most of their direction): every block raises the running max of every head by
+    # more than the kernel's lazy-rescale threshold, so acc and l are rescaled at each step
+    name = f"rising-{h_q}-{layout}"
+    p = _problem(name, h_q, layout, s_q, 2, 150, 64, None, 0, None, False)
+    g = torch.Generator().manual_seed(_seed(name))
+    shared = torch.randn(1, s_q, 1, p.q.shape[-1], generator=g)
+    q = (shared * 48 + torch.randn(p.q.shape, generator=g)).to(torch.bfloat16)
+    k, valid = gather_kv(p.k_cache.cpu(), p.indices.cpu())
+    # per-head scores in the kernel's units (log2, scaled by d_qk^-0.5)
+    s = torch.einsum("bshd,bstd->bsht", q.float(), k) * (q.shape[-1] ** -0.5 * LOG2E)
+    s = s.masked_fill(~valid.unsqueeze(2), -INF)
+    order = s.mean(dim=2).argsort(dim=-1)  # invalid ones first
+    p.indices = torch.gather(p.indices.cpu(), -1, order).to(DEVICE)
+    p.q = q.to(DEVICE)
+    s = torch.gather(s, -1, order.unsqueeze(2).expand_as(s))
+    blk_max = s[..., :128].unflatten(-1, (2, 64)).amax(-1)  # [b, s_q, h_q, 2]: blocks 0 and 1
+    assert (blk_max[..., 1] - blk_max[..., 0] > 8).all()  # every head's max jumps by > 2^8
+    check_both_schedules(p)
