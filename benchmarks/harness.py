@@ -30,7 +30,11 @@ PBS = 64  # page_block_size
 @dataclass(frozen=True)
 class DecodeShape:
     """One decode benchmark row; ``flashmla_us``: FlashMLA 1.0 on the lent H200 (graph replay,
-    docs/perf-log.md), None where FlashMLA has no kernel for the shape."""
+    docs/perf-log.md), None where FlashMLA has no kernel for the shape or it was not measured.
+
+    ``flashmla_heads``: set when ``flashmla_us`` is FlashMLA's time at another head count, the one
+    an engine pads ``h_q`` to (FlashMLA has no sparse decode kernel below 64 heads: a
+    tensor-parallel slice of 8-32 heads runs as 64, the rows past ``h_q`` wasted)."""
 
     b: int
     h_q: int
@@ -44,6 +48,7 @@ class DecodeShape:
     extra_pbs: int = PBS
     extra_len: bool = False  # random extra_topk_length in [1, extra_topk]
     topk_len: bool = False  # pass topk_length = topk (full: the same work as without it)
+    flashmla_heads: int | None = None  # FlashMLA's time is at this many heads (h_q padded to it)
 
     def matches(self, flt: dict) -> bool:
         return all(str(getattr(self, k)) == v for k, v in flt.items())
@@ -71,6 +76,36 @@ DECODE_SHAPES = [
     DecodeShape(128, 128, 2, 128, 512, 148.9, ctx=16384, pbs=256, extra_topk=1024, extra_pbs=2, extra_len=True),
     DecodeShape(148, 128, 2, 16384, 512, 2741.9, ctx=32768, pbs=256),
 ]
+
+
+#: FlashMLA 1.0 at h_q = 64 (same H200, graph replay), the time an engine pays for a slice of
+#: fewer heads padded to 64: V3.2 s_q 2, topk 2048 by b (b = 64 not measured), and MODEL1's
+#: production shape (b 128, topk 128 + 512 extra in 64-token pages)
+FLASHMLA_H64_V32_US = {2: 22.7, 128: 229.0}
+FLASHMLA_H64_MODEL1_US = 93.5
+
+
+def _padded(us: float | None, h_q: int) -> dict:
+    """``flashmla_us`` (and, below 64 heads, ``flashmla_heads = 64``) of a small-head row."""
+    return dict(flashmla_us=us, flashmla_heads=64 if us is not None and h_q < 64 else None)
+
+
+#: Issue 12's table, small head counts (tensor-parallel slices): V3.2 at h_q 8/16/32/64 by b 2/64/128
+#: (s_q 2, topk 2048, 32K contexts), and MODEL1's production shapes at h_q 16/32 (16K-token caches in
+#: 256-token pages, topk 128 plus an extra cache of 512 indices, FlashMLA's h_q = 64 row, and of
+#: 1024, the h_q = 128 row's extra). ``python -m benchmarks.decode --set small_heads``.
+SMALL_HEAD_SHAPES = [
+    DecodeShape(b, h_q, 2, 2048, 576, **_padded(FLASHMLA_H64_V32_US.get(b), h_q))
+    for h_q in (8, 16, 32, 64)
+    for b in (2, 64, 128)
+] + [
+    DecodeShape(128, h_q, 2, 128, 512, ctx=16384, pbs=256, extra_topk=extra, extra_pbs=64, **_padded(us, h_q))
+    for h_q in (16, 32)
+    for extra, us in ((512, FLASHMLA_H64_MODEL1_US), (1024, None))
+]
+
+#: the row sets ``benchmarks.decode --set`` selects from
+SHAPE_SETS = {"default": DECODE_SHAPES, "small_heads": SMALL_HEAD_SHAPES}
 
 
 def parse_filter(text: str | None) -> list[dict]:
@@ -195,8 +230,14 @@ class DecodeInputs:
 
     def bytes_moved(self, s: DecodeShape) -> float:
         """Cache bytes of the distinct tokens read, plus q, out (bf16) and lse (fp32)."""
-        lay = get_layout(s.d_qk)
-        return self.unique_tokens * lay.bytes_per_token + self.q.numel() * 2 + s.b * s.s_q * s.h_q * (512 * 2 + 4)
+        return self.cache_bytes(s) + self.q.numel() * 2 + s.b * s.s_q * s.h_q * (512 * 2 + 4)
+
+    def cache_bytes(self, s: DecodeShape) -> float:
+        """Unique gathered cache bytes of a call: the distinct cache tokens its index set reads
+        (main and extra cache; a token indexed by several query tokens or requests counts once;
+        mean over the rotated sets) times the layout's bytes per token (656 V32, 584 MODEL1 with
+        its scale bytes). The floor of what a call must read from HBM, whatever the head count."""
+        return self.unique_tokens * get_layout(s.d_qk).bytes_per_token
 
     def extra_attended(self) -> float:
         """Mean extra indices a query attends (``extra_topk_length`` when given)."""
@@ -260,7 +301,7 @@ def decode_inputs(s: DecodeShape, seed: int = 0, device: str = "cuda") -> Decode
     kc, table = _paged_cache(s.b, s.ctx, s.pbs, lay, g, device)
     q = torch.randn(s.b, s.s_q, s.h_q, s.d_qk, device=device, generator=g).to(torch.bfloat16)
     sets = _index_sets(s.b, s.s_q, s.ctx, s.topk, s.pbs, table, n_sets, g, device)
-    uniq = sum(int(torch.unique(ix[ix >= 0]).numel()) for ix in sets) / n_sets
+    uniq = sum(_distinct_tokens(ix) for ix in sets) / n_sets
     inp = DecodeInputs(q, kc, sets, uniq)
     if s.topk_len:
         inp.topk_length = torch.full((s.b,), s.topk, dtype=torch.int32, device=device)
@@ -272,8 +313,18 @@ def decode_inputs(s: DecodeShape, seed: int = 0, device: str = "cuda") -> Decode
             inp.extra_topk_length = torch.randint(
                 1, s.extra_topk + 1, (s.b,), device=device, generator=g, dtype=torch.int64
             ).int()
-        inp.unique_tokens += sum(int(torch.unique(ix[ix >= 0]).numel()) for ix in inp.extra_sets) / n_sets
+        inp.unique_tokens += sum(_distinct_tokens(ix, inp.extra_topk_length) for ix in inp.extra_sets) / n_sets
     return inp
+
+
+def _distinct_tokens(indices: torch.Tensor, lengths: torch.Tensor | None = None) -> int:
+    """Distinct cache tokens that ``[b, s_q, topk]`` indices make a call read: valid ones, and
+    with ``lengths`` only positions below ``lengths[b]`` (the kernels load nothing past it)."""
+    keep = indices >= 0
+    if lengths is not None:
+        pos = torch.arange(indices.shape[-1], device=indices.device)
+        keep &= pos.view(1, 1, -1) < lengths.view(-1, 1, 1)
+    return int(torch.unique(indices[keep]).numel())
 
 
 def as_dict(obj) -> dict:
