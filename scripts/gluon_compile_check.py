@@ -63,6 +63,7 @@ def compile_kernel(
     num_warps: int = 8,
     model1: bool = False,
     extra: bool = False,
+    heads: int = 64,
 ):
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
@@ -76,10 +77,13 @@ def compile_kernel(
         PBS_POW2=pbs_pow2,
         PBS_LOG2=pbs_log2,
         ALIGN=16,
-        PRODUCER_WARPS=sdg.HopperConfig().producer_warps,
+        PRODUCER_WARPS=sdg.HopperConfig().producer_warps if heads == 64 else sdg.HopperConfig().narrow_producer_warps,
         PRODUCER_REGS=producer_regs,
         PROFILE=sdg.PROFILE_OFF,
+        HEADS=heads,
     )
+    if heads < 64:
+        num_warps = sdg.NARROW_CONSUMER_WARPS
     sig = {}
     for n in names:
         if n in PTRS:
@@ -137,6 +141,7 @@ def main() -> int:
     ap.add_argument("--pbs", type=int, default=64)
     ap.add_argument("--model1", action="store_true", help="the MODEL1 cache (d_qk 512)")
     ap.add_argument("--extra", action="store_true", help="with an extra cache")
+    ap.add_argument("--heads", type=int, default=64, choices=(16, 32, 64), help="heads per CTA (16/32: narrow)")
     ap.add_argument("--producer-regs", type=int, default=sdg.HopperConfig().producer_regs)
     ap.add_argument("--maxnreg", type=int, default=sdg.HopperConfig().maxnreg)
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass")
@@ -157,6 +162,7 @@ def main() -> int:
         a.maxnreg,
         model1=a.model1,
         extra=a.extra,
+        heads=a.heads,
     )
     md = k.metadata
     print(

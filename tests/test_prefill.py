@@ -217,7 +217,7 @@ def test_hopper_backend_refuses_what_it_cannot_run():
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("d_qk", [576, 512])
-@pytest.mark.parametrize("h_q", [128, 40])
+@pytest.mark.parametrize("h_q", [128, 40, 16, 32])
 def test_hopper_backend_on_the_fp8_cache(d_qk, h_q):
     from sparse_mla.prefill import validate_sparse_prefill
     from sparse_mla.prefill.run import resolve_prefill_backend

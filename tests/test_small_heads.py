@@ -1,10 +1,10 @@
 """The portable decode at small head counts (issue 12: tensor-parallel slices, 1 <= h_q <= 32,
 any value) vs the fp32 reference (:func:`sparse_mla.decode.reference.sparse_decode_reference`).
 
-For h_q <= 32 the portable kernel runs 16- or 32-head programs that put the 64 tokens of a block on
-the dots' M and the heads on their N (``HEADS_ON_N``), so head counts that are not a multiple of the
-tile leave padded head columns in every program: these tests cover every tile boundary (1, 3, 8,
-13, 16 | 17, 24, 31, 32), both cache layouts, the optional inputs, invalid indices, NaN in unused
+The portable kernel runs 16-head programs for h_q <= 16 and 64-head ones above (heads on the dots'
+M; a heads-on-N variant measured slower on the H200, docs/perf-log.md), so head counts that are
+not a multiple of the tile leave padded head rows in every program: these tests cover every tile
+boundary (1, 3, 8, 13, 16 | 17, 24, 31, 32), both cache layouts, the optional inputs, invalid indices, NaN in unused
 cache slots, odd page sizes, and an unsplit (one partition) and a split (combine) schedule for
 each. Inputs are fresh random data, seeded from the case's name. Under the interpreter on a CPU
 the shapes are small (topk <= 160, b <= 3).
@@ -34,6 +34,8 @@ needs_kernels = pytest.mark.skipif(
 )
 
 INF = float("inf")
+# on an sm_90 GPU the Hopper kernel's narrow consumer (16/32-head tiles) runs the same cases
+BACKENDS_UNDER_TEST = ["portable"] + (["hopper"] if ON_GPU and torch.cuda.get_device_capability()[0] == 9 else [])
 
 
 def _seed(name: str) -> int:
@@ -62,22 +64,22 @@ def _poke_invalid(p) -> None:
     p.indices[b - 1, -1, 5] = 2**31 - 1
 
 
-def _tile(h_q: int) -> int:
-    return BACKENDS["portable"].heads_per_cta(h_q)
+def _tile(h_q: int, backend: str = "portable") -> int:
+    return BACKENDS[backend].heads_per_cta(h_q)
 
 
-def _schedules(s_q: int, h_q: int) -> dict[str, int]:
+def _schedules(s_q: int, h_q: int, backend: str = "portable") -> dict[str, int]:
     """``num_sms`` of an unsplit schedule (one partition: every batch in one piece, no combine) and
     of a split one (a partition per few blocks: batches in several pieces, combine kernel)."""
-    return {"unsplit": s_q * -(-h_q // _tile(h_q)), "split": 132}
+    return {"unsplit": s_q * -(-h_q // _tile(h_q, backend)), "split": 132}
 
 
-def run_portable(p, num_sms):
+def run_portable(p, num_sms, backend="portable"):
     meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
     out, lse = flash_mla.flash_mla_with_kvcache(
-        p.q, p.k_cache, None, None, 512, meta, is_fp8_kvcache=True, backend="portable", **p.api_kwargs()
+        p.q, p.k_cache, None, None, 512, meta, is_fp8_kvcache=True, backend=backend, **p.api_kwargs()
     )
-    assert meta.backend == "portable"
+    assert meta.backend == backend
     return out, lse, meta.table
 
 
@@ -86,19 +88,21 @@ def reference(p):
 
 
 def check_both_schedules(p) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Run the portable backend under the unsplit and the split schedule; each must match the
+    """Run each backend under test under the unsplit and the split schedule; each must match the
     reference (FlashMLA's tolerances) and the schedule must be the intended one."""
     b, s_q, h_q, _ = p.q.shape
     ro, rl = reference(p)
     results = []
-    for sched, num_sms in _schedules(s_q, h_q).items():
-        out, lse, table = run_portable(p, num_sms)
+    for backend, (sched, num_sms) in (
+        (be, item) for be in BACKENDS_UNDER_TEST for item in _schedules(s_q, h_q, be).items()
+    ):
+        out, lse, table = run_portable(p, num_sms, backend)
         assert out.shape == (b, s_q, h_q, 512) and lse.shape == (b, h_q, s_q)
         assert table.any_split == (sched == "split"), f"{sched}: any_split = {table.any_split}"
         try:
             check_decode_close(out, lse, ro, rl)
         except AssertionError as e:
-            raise AssertionError(f"{sched} schedule (num_sms={num_sms}): {e}") from None
+            raise AssertionError(f"{backend}, {sched} schedule (num_sms={num_sms}): {e}") from None
         results.append((out, lse))
     return results
 
@@ -234,19 +238,19 @@ def test_lonely_queries(h_q, layout):
 # ------------------------------------------------------------------------------ the schedule
 
 
-def test_portable_head_tile():
-    """Programs of 16 heads for h_q <= 16, of 32 for 17..32 (heads on N), FlashMLA's 64 above."""
-    for h_q in range(1, 33):
-        assert _tile(h_q) == (16 if h_q <= 16 else 32), h_q
-    for h_q in (33, 64, 128):
-        assert _tile(h_q) == 64
+def test_head_tiles():
+    """Portable: programs of 16 heads for h_q <= 16, FlashMLA's 64 above. Hopper: 16 / 32 / 64
+    (its narrow consumer puts 16 or 32 heads on the wgmma's N)."""
+    for h_q in range(1, 129):
+        assert _tile(h_q) == (16 if h_q <= 16 else 64), h_q
+        assert BACKENDS["hopper"].heads_per_cta(h_q) == (16 if h_q <= 16 else 32 if h_q <= 32 else 64), h_q
 
 
 @needs_kernels
 @pytest.mark.parametrize("h_q", [1, 16, 17, 32, 33])
 def test_portable_launch_uses_the_tile(h_q, monkeypatch):
     # the schedule is sized for the declared tile, and the kernel is launched with that tile:
-    # ceil(h_q / tile) programs per partition and query token, heads on N below 64
+    # ceil(h_q / tile) programs per partition and query token
     launches = []
     real = portable_mod.launch_fitting
 
@@ -258,12 +262,12 @@ def test_portable_launch_uses_the_tile(h_q, monkeypatch):
     s_q, num_sms = 2, 24
     p = _problem(f"tile-{h_q}", h_q, "V32", s_q, 2, 96, 64, None, 0, None, False)
     out, lse, table = run_portable(p, num_sms)
-    tile = 16 if h_q <= 16 else 32 if h_q <= 32 else 64
+    tile = 16 if h_q <= 16 else 64
     assert table.num_sm_parts == compute_num_sm_parts(num_sms, s_q, h_q, tile)
     assert len(launches) == 1
     grid, consts = launches[0]
     assert tuple(grid) == (table.num_sm_parts, s_q, -(-h_q // tile))
-    assert consts["BLOCK_H"] == tile and consts["HEADS_ON_N"] == (tile < 64)
+    assert consts["BLOCK_H"] == tile
     check_decode_close(out, lse, *reference(p))
 
 

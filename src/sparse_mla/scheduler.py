@@ -42,6 +42,7 @@ __all__ = [
     "ScheduleTable",
     "compute_num_sm_parts",
     "small_head_tile",
+    "hopper_head_tile",
     "batch_num_blocks",
     "schedule",
 ]
@@ -78,9 +79,16 @@ def compute_num_sm_parts(num_sms: int, s_q: int, h_q: int, heads_per_cta: int = 
 
 
 def small_head_tile(h_q: int) -> int:
-    """Heads per program of the portable decode kernel (and the reference that mirrors its
-    schedule): 16 or 32 when that is all there is (those programs put the heads on the MMA's N and
-    the 64 tokens of a block on its M), else 64 (FlashMLA's tile)."""
+    """Heads per program of the portable kernel (and the reference that mirrors its schedule):
+    16 when that is all there is, else 64 (FlashMLA's tile; on the H200 a 32-head tile ran
+    slower than a 64-head one, docs/perf-log.md)."""
+    return 16 if h_q <= 16 else 64
+
+
+def hopper_head_tile(h_q: int) -> int:
+    """Heads per CTA of the Hopper decode kernel: 16 or 32 when that is all there is (its narrow
+    consumer puts the heads on the wgmma's N and a block's 64 tokens on M), else 64 (one wgmma M
+    tile; rows past h_q are zero queries, never stored)."""
     return 16 if h_q <= 16 else 32 if h_q <= 32 else 64
 
 

@@ -30,7 +30,7 @@ import torch
 
 from ..problem import DecodeProblem, empty_outputs, finish_outputs, is_empty
 from ..runtime import backend_override, interpreting, use_triton
-from ..scheduler import ScheduleTable, compute_num_sm_parts, small_head_tile
+from ..scheduler import ScheduleTable, compute_num_sm_parts, hopper_head_tile, small_head_tile
 
 #: ``(o_accum [rows, s_q, h_q, d_v], lse_accum [rows, s_q, h_q])`` fp32 split accumulators
 Workspace = tuple[torch.Tensor, torch.Tensor]
@@ -148,7 +148,9 @@ class HopperBackend(Backend):
         return hopper_unsupported(p.q.device)
 
     def heads_per_cta(self, h_q: int) -> int:
-        return 64  # one wgmma M tile; rows past h_q are zero queries, never stored
+        # 8-32 heads: the heads are the wgmma's N (16 or 32); else 64-head tiles (one wgmma M), whose
+        # rows past h_q are zero queries, never stored
+        return hopper_head_tile(h_q)
 
     def launch(
         self, p: DecodeProblem, table: ScheduleTable, config: Any = None, workspace: Workspace | None = None

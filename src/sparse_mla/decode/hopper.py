@@ -67,7 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..formats import cache_bytes
 from ..problem import DecodeProblem, output_tensors
 from ..runtime import LOG2E
-from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable
+from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, hopper_head_tile
 from .combine import combine_fwd
 from .launcher import launch as launch_kernel
 from .workspace import split_accumulators
@@ -87,6 +87,7 @@ D_NOPE = gl.constexpr(512)
 D_ROPE = gl.constexpr(64)
 NUM_STAGES = gl.constexpr(2)
 CONSUMER_WARPS = 8
+NARROW_CONSUMER_WARPS = 4  # one warpgroup: 8-32-head tiles (_consumer_narrow)
 
 # profiling modes (HopperConfig.profile; set only by scripts/profile_gluon.py and the benchmarks'
 # variant runner): outputs are garbage in every mode but OFF
@@ -106,15 +107,19 @@ class HopperConfig:
         producer_regs: registers per producer thread (``setmaxnreg``).
         maxnreg: register cap of the kernel (the consumer gets what the producer leaves).
         profile: a ``PROFILE_*`` mode (profiling tools only).
+        narrow_producer_warps: producer warps beside the one-warpgroup consumer of 8-32-head
+            tiles (:func:`_consumer_narrow`), where the producer's per-token work is what bounds
+            the kernel.
     """
 
     producer_warps: int = 4
     producer_regs: int = 128
     maxnreg: int = 168
     profile: int = PROFILE_OFF
+    narrow_producer_warps: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("producer_warps", "producer_regs", "maxnreg"):
+        for name in ("producer_warps", "producer_regs", "maxnreg", "narrow_producer_warps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"HopperConfig.{name}: expected a positive int, got {v!r}")
@@ -169,6 +174,134 @@ def _block_indices(
 
 
 @gluon.jit
+def _gather_block(
+    idx8,
+    c_ptr,
+    c_sblk,
+    c_ntok,
+    c_pbs,
+    stride_tok,
+    IS_V32: gl.constexpr,
+    PBS_SHIFT: gl.constexpr,
+    PBS_LOG2: gl.constexpr,
+    ALIGN: gl.constexpr,
+    PROFILE: gl.constexpr,
+    P_WARPS: gl.constexpr,
+):
+    """Issue every gather of one 64-token block (indices ``idx8``) of one cache: the NoPE bytes as
+    one ``[64, NT, TW]`` tile (16-byte loads), the scales as one load per token, the 64 bf16 RoPE
+    values. Returns ``(raw, scales, rope, mask row)``; invalid tokens are never loaded."""
+    LDR: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_ROWS, 32 // TPW_ROWS], [P_WARPS, 1], [1, 0])
+    ROWR: gl.constexpr = gl.SliceLayout(1, LDR)
+    COLR: gl.constexpr = gl.SliceLayout(0, LDR)
+    NT: gl.constexpr = 4 if IS_V32 else 8
+    TW: gl.constexpr = 128 if IS_V32 else 64
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [TPW_ROWS, 1, 32 // TPW_ROWS], [P_WARPS, 1, 1], [2, 1, 0])
+    L3S: gl.constexpr = gl.SliceLayout(2, L3)
+    ROW3: gl.constexpr = gl.SliceLayout(1, L3S)
+    L3R: gl.constexpr = gl.SliceLayout(1, L3)
+    ROW3R: gl.constexpr = gl.SliceLayout(1, L3R)
+    t3 = gl.arange(0, NT, layout=gl.SliceLayout(0, L3S))
+    c3 = gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    t3e = gl.expand_dims(gl.expand_dims(t3, 0), 2)
+
+    v8 = (idx8 >= 0) & (idx8 < c_ntok)
+    s8 = gl.where(v8, idx8, 0)
+    if PROFILE == 3:
+        s8 = s8 * 0
+    if PBS_SHIFT:
+        b8 = s8 >> PBS_LOG2
+        o8 = s8 & (c_pbs - 1)
+    else:
+        b8 = s8 // c_pbs
+        o8 = s8 - b8 * c_pbs
+    blk8 = b8.to(gl.int64) * c_sblk
+    if IS_V32:
+        tok8 = blk8 + o8.to(gl.int64) * stride_tok
+    else:  # MODEL1: packed [nope | rope] records of 576 B, then the blocks' 8-byte scale records
+        tok8 = blk8 + o8.to(gl.int64) * 576
+        scl8 = blk8 + c_pbs.to(gl.int64) * 576 + o8.to(gl.int64) * 8
+    tok8 = gl.multiple_of(tok8, ALIGN)
+    vmask = gl.where(v8, 0.0, float("-inf"))
+    tok3 = gl.convert_layout(tok8, ROW3)
+    v3 = gl.convert_layout(v8, ROW3)
+    tok3e = gl.expand_dims(gl.expand_dims(tok3, 1), 2)
+    v3e = gl.expand_dims(gl.expand_dims(v3, 1), 2)
+    p3 = c_ptr + tok3e + t3e * TW + gl.expand_dims(gl.expand_dims(c3, 0), 1)
+    if IS_V32:
+        raw = gl.load(p3, mask=v3e, other=0)
+        sp = (c_ptr + gl.expand_dims(tok3, 1) + D_NOPE).to(gl.pointer_type(gl.float32))
+        sc = gl.load(sp + gl.expand_dims(t3, 0), mask=gl.expand_dims(v3, 1), other=0.0)
+        tokr = gl.convert_layout(tok8, ROWR)
+        vr = gl.convert_layout(v8, ROWR)
+        colsr = gl.arange(0, D_ROPE, layout=COLR)
+        rptr = (c_ptr + gl.expand_dims(tokr, 1) + D_NOPE + 16).to(gl.pointer_type(gl.bfloat16))
+        rope = gl.load(rptr + gl.expand_dims(colsr, 0), mask=gl.expand_dims(vr, 1), other=0.0)
+    else:
+        raw = gl.load(p3, mask=v3e & (t3e < 7), other=0)
+        scl3 = gl.convert_layout(scl8, ROW3)
+        eb = gl.load(
+            c_ptr + gl.expand_dims(scl3, 1) + gl.expand_dims(t3, 0),
+            mask=gl.expand_dims(v3, 1) & gl.expand_dims(t3 < 7, 0),
+            other=127,
+        )
+        # e8m0: 2^(e - 127), exact
+        sc = gl.exp2(eb.to(gl.float32) - 127.0)
+        tokq = gl.convert_layout(tok8, ROW3R)
+        vq = gl.convert_layout(v8, ROW3R)
+        cr3 = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, L3R))
+        rptr = (c_ptr + gl.expand_dims(tokq, 1) + 448).to(gl.pointer_type(gl.bfloat16))
+        rope = gl.load(rptr + gl.expand_dims(cr3, 0), mask=gl.expand_dims(vq, 1), other=0.0)
+    return raw, sc, rope, vmask
+
+
+@gluon.jit
+def _stage_block(raw, sc, rope, vmask, ring, stage, phase, IS_V32: gl.constexpr, P_WARPS: gl.constexpr):
+    """Wait for a free ``stage``, dequantise a gathered block into it, and signal ``ready``."""
+    k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
+    NT: gl.constexpr = 4 if IS_V32 else 8
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [TPW_ROWS, 1, 32 // TPW_ROWS], [P_WARPS, 1, 1], [2, 1, 0])
+    t3 = gl.arange(0, NT, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    t3e = gl.expand_dims(gl.expand_dims(t3, 0), 2)
+    # wait for the consumer to free this stage (first lap passes: phase starts at 1)
+    mbarrier.wait(empty_bars.index(stage), phase ^ 1)
+    # fp8 -> bf16 is exact, and so is the product with a power-of-two scale, taken in bf16x2 (one
+    # multiply per two values; in fp32 it was two): e4m3x2 -> f16x2 -> 2 x f32 -> bf16x2, x scale.
+    # One smem store for the whole tile (separate column-slice stores each cost a barrier)
+    kv = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(gl.bfloat16) * gl.expand_dims(sc.to(gl.bfloat16), 2)
+    if IS_V32:
+        k_smem.index(stage).store(gl.reshape(kv, [64, D_NOPE]))
+        kr_smem.index(stage).store(rope)
+    else:
+        kv = gl.where(t3e == 7, gl.expand_dims(rope, 1), kv)
+        k_smem.index(stage).store(gl.reshape(kv, [64, D_NOPE]))
+    mask_smem.index(stage).store(vmask)
+    # make the generic-proxy stores visible to wgmma (async proxy), then signal
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ready_bars.index(stage), count=1)
+
+
+@gluon.jit
+def _block_cache(blk, mb, cache, xcache, HAS_EXTRA: gl.constexpr):
+    """(pointer, block stride, tokens, page size) of the cache block ``blk`` of a request reads:
+    the main one, or the extra one from block ``mb`` on."""
+    kv_ptr, stride_blk, _stride_tok, num_tokens, pbs = cache
+    xkv_ptr, x_stride_blk, x_num_tokens, x_pbs = xcache
+    c_ptr = kv_ptr
+    c_sblk = stride_blk
+    c_ntok = num_tokens
+    c_pbs = pbs
+    if HAS_EXTRA:
+        if blk >= mb:
+            c_ptr = xkv_ptr
+            c_sblk = x_stride_blk
+            c_ntok = x_num_tokens
+            c_pbs = x_pbs
+    return c_ptr, c_sblk, c_ntok, c_pbs
+
+
+@gluon.jit
 def _producer(
     cache,
     xcache,
@@ -186,41 +319,21 @@ def _producer(
     PROFILE: gl.constexpr,
 ):
     """Gather, dequantise and stage the K tiles of this partition's blocks (see the module doc)."""
-    kv_ptr, stride_blk, stride_tok, num_tokens, pbs = cache
-    xkv_ptr, x_stride_blk, x_num_tokens, x_pbs = xcache
+    stride_tok = cache[2]
     idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr = sel
     xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr = xsel
-    k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
+    ready_bars = ring[3]
+    empty_bars = ring[4]
     _meta_ptr, _nsplit_ptr, mainblk_ptr, _nblk_ptr = sched
     P_WARPS: gl.constexpr = gl.num_warps()
+    PBS_SHIFT: gl.constexpr = PBS_POW2 and not HAS_EXTRA
     # rows (tokens) of a [64, 128]-byte tile: the layout the 64 indices are loaded and decoded in
     LD8: gl.constexpr = gl.BlockedLayout([1, 16], [TPW_ROWS, 32 // TPW_ROWS], [P_WARPS, 1], [1, 0])
-    # [64 tokens, 64 bf16] RoPE: 8 bf16 = 16 B per thread
-    LDR: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_ROWS, 32 // TPW_ROWS], [P_WARPS, 1], [1, 0])
     ROW8: gl.constexpr = gl.SliceLayout(1, LD8)
-    ROWR: gl.constexpr = gl.SliceLayout(1, LDR)
-    COLR: gl.constexpr = gl.SliceLayout(0, LDR)
-    # NoPE bytes as [64 tokens, NT scale tiles, TW bytes]: 16 contiguous bytes per thread. V32: 4 tiles
-    # of 128 (one fp32 scale each); MODEL1: 7 tiles of 64 (one e8m0 scale each) and an 8th slot
-    # that the RoPE values fill (MODEL1's K row is [448 NoPE | 64 RoPE] = 512 = d_v)
-    NT: gl.constexpr = 4 if IS_V32 else 8
-    TW: gl.constexpr = 128 if IS_V32 else 64
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [TPW_ROWS, 1, 32 // TPW_ROWS], [P_WARPS, 1, 1], [2, 1, 0])
-    L3S: gl.constexpr = gl.SliceLayout(2, L3)
-    ROW3: gl.constexpr = gl.SliceLayout(1, L3S)
-    # MODEL1's RoPE as the [64, 64] slice of the 3-D tile it fills (same registers as a tile slot)
-    L3R: gl.constexpr = gl.SliceLayout(1, L3)
-    ROW3R: gl.constexpr = gl.SliceLayout(1, L3R)
 
     sq = gl.program_id(1)
     prow = _partition_row(sched[0])
     begin_req, end_req = prow[0], prow[1]
-
-    colsr = gl.arange(0, D_ROPE, layout=COLR)
-    t3 = gl.arange(0, NT, layout=gl.SliceLayout(0, L3S))
-    c3 = gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    cr3 = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, L3R))
-    t3e = gl.expand_dims(gl.expand_dims(t3, 0), 2)
     it = 0
     req = begin_req
     while req <= end_req:
@@ -251,88 +364,20 @@ def _producer(
                 idx_next = _block_indices(
                     blk + 1, blk1, mb, ibase, stride_it, n_main, xibase, x_stride_it, n_extra, HAS_EXTRA, ROW8
                 )
-                # this block's cache: the main one, or the extra one past the main blocks
-                c_ptr = kv_ptr
-                c_sblk = stride_blk
-                c_ntok = num_tokens
-                c_pbs = pbs
-                if HAS_EXTRA:
-                    if blk >= mb:
-                        c_ptr = xkv_ptr
-                        c_sblk = x_stride_blk
-                        c_ntok = x_num_tokens
-                        c_pbs = x_pbs
-                v8 = (idx8 >= 0) & (idx8 < c_ntok)
-                s8 = gl.where(v8, idx8, 0)
-                if PROFILE == 3:
-                    s8 = s8 * 0
-                if PBS_POW2 and not HAS_EXTRA:
-                    b8 = s8 >> PBS_LOG2
-                    o8 = s8 & (c_pbs - 1)
-                else:
-                    b8 = s8 // c_pbs
-                    o8 = s8 - b8 * c_pbs
-                blk8 = b8.to(gl.int64) * c_sblk
-                if IS_V32:
-                    tok8 = blk8 + o8.to(gl.int64) * stride_tok
-                else:  # MODEL1: packed [nope | rope] records of 576 B, then the blocks' 8-byte scale records
-                    tok8 = blk8 + o8.to(gl.int64) * 576
-                    scl8 = blk8 + c_pbs.to(gl.int64) * 576 + o8.to(gl.int64) * 8
-                tok8 = gl.multiple_of(tok8, ALIGN)
-                vmask = gl.where(v8, 0.0, float("-inf"))
-                tok3 = gl.convert_layout(tok8, ROW3)
-                v3 = gl.convert_layout(v8, ROW3)
-                tok3e = gl.expand_dims(gl.expand_dims(tok3, 1), 2)
-                v3e = gl.expand_dims(gl.expand_dims(v3, 1), 2)
-                # every gather of the block is in flight before the wait for a free stage: the NoPE
-                # bytes as one [64, NT, TW] tile (16-byte loads), the scales as one load per token,
-                # the 64 bf16 RoPE values (producer_regs = 128 holds them)
-                p3 = c_ptr + tok3e + t3e * TW + gl.expand_dims(gl.expand_dims(c3, 0), 1)
-                if IS_V32:
-                    raw = gl.load(p3, mask=v3e, other=0)
-                    sp = (c_ptr + gl.expand_dims(tok3, 1) + D_NOPE).to(gl.pointer_type(gl.float32))
-                    sc = gl.load(sp + gl.expand_dims(t3, 0), mask=gl.expand_dims(v3, 1), other=0.0)
-                    tokr = gl.convert_layout(tok8, ROWR)
-                    vr = gl.convert_layout(v8, ROWR)
-                    rptr = (c_ptr + gl.expand_dims(tokr, 1) + D_NOPE + 16).to(gl.pointer_type(gl.bfloat16))
-                    rope = gl.load(rptr + gl.expand_dims(colsr, 0), mask=gl.expand_dims(vr, 1), other=0.0)
-                else:
-                    raw = gl.load(p3, mask=v3e & (t3e < 7), other=0)
-                    scl3 = gl.convert_layout(scl8, ROW3)
-                    eb = gl.load(
-                        c_ptr + gl.expand_dims(scl3, 1) + gl.expand_dims(t3, 0),
-                        mask=gl.expand_dims(v3, 1) & gl.expand_dims(t3 < 7, 0),
-                        other=127,
-                    )
-                    # e8m0: 2^(e - 127), exact
-                    sc = gl.exp2(eb.to(gl.float32) - 127.0)
-                    tokq = gl.convert_layout(tok8, ROW3R)
-                    vq = gl.convert_layout(v8, ROW3R)
-                    rptr = (c_ptr + gl.expand_dims(tokq, 1) + 448).to(gl.pointer_type(gl.bfloat16))
-                    rope = gl.load(rptr + gl.expand_dims(cr3, 0), mask=gl.expand_dims(vq, 1), other=0.0)
-                # wait for the consumer to free this stage (first lap passes: phase starts at 1)
-                mbarrier.wait(empty_bars.index(stage), phase ^ 1)
-                # fp8 -> bf16 is exact, and so is the product with a power-of-two scale; one smem
-                # store for the whole tile (separate column-slice stores each cost a barrier)
-                kv = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
-                if IS_V32:
-                    k_smem.index(stage).store(gl.reshape(kv, [64, D_NOPE]))
-                    kr_smem.index(stage).store(rope)
-                else:
-                    kv = gl.where(t3e == 7, gl.expand_dims(rope, 1), kv)
-                    k_smem.index(stage).store(gl.reshape(kv, [64, D_NOPE]))
-                mask_smem.index(stage).store(vmask)
-                # make the generic-proxy stores visible to wgmma (async proxy), then signal
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(ready_bars.index(stage), count=1)
+                c_ptr, c_sblk, c_ntok, c_pbs = _block_cache(blk, mb, cache, xcache, HAS_EXTRA)
+                # every gather of the block is in flight before the wait for a free stage
+                raw, sc, rope, vmask = _gather_block(
+                    idx8, c_ptr, c_sblk, c_ntok, c_pbs, stride_tok, IS_V32, PBS_SHIFT, PBS_LOG2, ALIGN, PROFILE,
+                    P_WARPS,
+                )  # fmt: skip
+                _stage_block(raw, sc, rope, vmask, ring, stage, phase, IS_V32, P_WARPS)
             it += 1
         req += 1
 
 
 # --------------------------------------------------------------------------------------------- consumer
 @gluon.jit
-def _consumer(
+def _consumer_wide(
     q,
     sink_ptr,
     sched,
@@ -485,6 +530,185 @@ def _consumer(
         req += 1
 
 
+@gluon.jit
+def _consumer_narrow(
+    q,
+    sink_ptr,
+    sched,
+    out,
+    lse,
+    o_acc,
+    lse_acc,
+    max_logits,
+    scale_log2,
+    h_q,
+    q_smem,
+    qr_smem,
+    p_smem,
+    ring,
+    IS_V32: gl.constexpr,
+    HAS_EXTRA: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr,
+    PROFILE: gl.constexpr,
+):
+    """The consumer for 8-32 heads (one warpgroup): the block's 64 tokens are the wgmmas' M and the
+    ``HEADS`` heads their N, ``Sᵀ = K Qᵀ [64, HEADS]`` and ``Oᵀ += Vᵀ Pᵀ [512, HEADS]``, so no MMA row
+    is a padded head; the softmax reduces along the tokens (axis 0)."""
+    q_ptr, stride_qb, stride_qs, stride_qh = q
+    _meta_ptr, nsplit_ptr, _mainblk_ptr, _nblk_ptr = sched
+    out_ptr, stride_ob, stride_os, stride_oh = out
+    lse_ptr, stride_lb, stride_lh, stride_ls = lse
+    oacc_ptr, stride_ar, stride_as, stride_ah = o_acc
+    lacc_ptr, stride_lr, stride_lsq = lse_acc
+    ml_ptr, stride_mlb, stride_mlh = max_logits
+    k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
+    HEADS: gl.constexpr = q_smem.shape[0]
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 16])
+    SROW: gl.constexpr = gl.SliceLayout(1, S_L)  # tokens
+    SCOL: gl.constexpr = gl.SliceLayout(0, S_L)  # heads
+    OROW: gl.constexpr = gl.SliceLayout(1, S_L)  # output columns (same distributed layout, M = 512)
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+    sq = gl.program_id(1)
+    hb = gl.program_id(2)
+    prow = _partition_row(sched[0])
+    begin_req, end_req, begin_split = prow[0], prow[1], prow[4]
+
+    heads = hb * HEADS + gl.arange(0, HEADS, layout=SCOL)
+    hmask = heads < h_q
+    hmask_o = gl.expand_dims(hmask, 0)
+    cols_o = gl.arange(0, D_NOPE, layout=OROW)
+    qr = hb * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, QL))
+    qc = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    qmask = gl.expand_dims(qr < h_q, 1)
+    if HAS_SINK:
+        sink_log2 = gl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
+
+    it = 0
+    req = begin_req
+    while req <= end_req:
+        blk0, blk1 = _request_blocks(sched, prow, req, HAS_EXTRA)
+        split = gl.where(req == begin_req, begin_split, 0)
+        split_base = gl.load(nsplit_ptr + req)
+        n_splits = gl.load(nsplit_ptr + req + 1) - split_base
+
+        qbase = q_ptr + req.to(gl.int64) * stride_qb + sq * stride_qs
+        qrow = qbase + gl.expand_dims(qr.to(gl.int64) * stride_qh, 1) + gl.expand_dims(qc, 0)
+        for c in gl.static_range(D_NOPE // 64):
+            q_smem.slice(c * 64, 64, dim=1).store(gl.load(qrow + c * 64, mask=qmask, other=0.0))
+        if IS_V32:
+            qr_smem.store(gl.load(qrow + D_NOPE, mask=qmask, other=0.0))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        m_i = gl.full([HEADS], float("-inf"), gl.float32, SCOL)
+        l_i = gl.zeros([HEADS], gl.float32, SCOL)
+        acc = gl.zeros([D_NOPE, HEADS], gl.float32, S_L)
+        for _blk in range(blk0, blk1):
+            stage = it % 2
+            phase = (it // 2) & 1
+            mbarrier.wait(ready_bars.index(stage), phase)
+            if PROFILE == 1:  # PROFILE_PRODUCER_ONLY
+                gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(stage), count=1)
+            else:
+                kbuf = k_smem.index(stage)
+                s = warpgroup_mma(kbuf, q_smem.permute([1, 0]), gl.zeros([64, HEADS], gl.float32, S_L), use_acc=False)
+                if IS_V32:
+                    s = warpgroup_mma(kr_smem.index(stage), qr_smem.permute([1, 0]), s)
+                bias = mask_smem.index(stage).load(SROW)
+                s = gl.where(gl.expand_dims(bias, 1) == 0.0, s * scale_log2, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, axis=0))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(s - gl.expand_dims(m_safe, 0))
+                l_i = l_i * alpha + gl.sum(p, axis=0)
+                m_i = m_new
+                acc = acc * gl.expand_dims(alpha, 0)
+                p_smem.store(p.to(gl.bfloat16))
+                fence_async_shared()
+                gl.thread_barrier()
+                acc = warpgroup_mma(kbuf.permute([1, 0]), p_smem, acc)
+                gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(stage), count=1)
+            it += 1
+
+        lonely = l_i == 0.0
+        l_safe = gl.where(lonely, 1.0, l_i)
+        m_safe2 = gl.where(lonely, 0.0, m_i)
+        lse2 = gl.where(lonely, float("-inf"), gl.log2(l_safe) + m_safe2)
+        if n_splits <= 1:
+            denom = l_safe
+            if HAS_SINK:
+                denom += gl.exp2(sink_log2 - m_safe2)
+            scale_col = gl.where(lonely, 0.0, 1.0 / denom)
+            o = acc * gl.expand_dims(scale_col, 0)
+            optr = (
+                out_ptr
+                + req.to(gl.int64) * stride_ob
+                + sq * stride_os
+                + gl.expand_dims(heads * stride_oh, 0)
+                + gl.expand_dims(cols_o, 1)
+            )
+            gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
+            lse_v = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
+            gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads * stride_lh + sq * stride_ls, lse_v, mask=hmask)
+            if HAS_MAX_LOGITS:
+                gl.store(
+                    ml_ptr + req.to(gl.int64) * stride_mlb + heads * stride_mlh, m_i * 0.6931471805599453, mask=hmask
+                )
+        else:
+            row = (split_base + split).to(gl.int64)
+            o = acc * gl.expand_dims(1.0 / l_safe, 0)
+            aptr = (
+                oacc_ptr
+                + row * stride_ar
+                + sq * stride_as
+                + gl.expand_dims(heads * stride_ah, 0)
+                + gl.expand_dims(cols_o, 1)
+            )
+            gl.store(aptr, o, mask=hmask_o)
+            gl.store(lacc_ptr + row * stride_lr + sq * stride_lsq + heads, lse2, mask=hmask)
+        req += 1
+
+
+@gluon.jit
+def _consumer(
+    q,
+    sink_ptr,
+    sched,
+    out,
+    lse,
+    o_acc,
+    lse_acc,
+    max_logits,
+    scale_log2,
+    h_q,
+    q_smem,
+    qr_smem,
+    p_smem,
+    ring,
+    IS_V32: gl.constexpr,
+    HAS_EXTRA: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr,
+    PROFILE: gl.constexpr,
+):
+    """The default partition: 64-head tiles (:func:`_consumer_wide`, 2 warpgroups) or 8-32 heads
+    (:func:`_consumer_narrow`, 1 warpgroup), by the Q tile's rows."""
+    if q_smem.shape[0] == 64:
+        _consumer_wide(
+            q, sink_ptr, sched, out, lse, o_acc, lse_acc, max_logits, scale_log2, h_q, q_smem, qr_smem, p_smem,
+            ring, IS_V32, HAS_EXTRA, HAS_SINK, HAS_MAX_LOGITS, PROFILE,
+        )  # fmt: skip
+    else:
+        _consumer_narrow(
+            q, sink_ptr, sched, out, lse, o_acc, lse_acc, max_logits, scale_log2, h_q, q_smem, qr_smem, p_smem,
+            ring, IS_V32, HAS_EXTRA, HAS_SINK, HAS_MAX_LOGITS, PROFILE,
+        )  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------- kernel
 @gluon.jit
 def _sparse_decode_gluon_kernel(
@@ -550,16 +774,20 @@ def _sparse_decode_gluon_kernel(
     PRODUCER_WARPS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     PROFILE: gl.constexpr,
+    HEADS: gl.constexpr,
 ):
-    """Grid ``(num_sm_parts, s_q, ceil(h_q / 64))``; flat arguments (``scripts/gluon_compile_check.py``
+    """Grid ``(num_sm_parts, s_q, ceil(h_q / HEADS))``; flat arguments (``scripts/gluon_compile_check.py``
     builds the signature from their names), grouped into tuples for the partitions."""
     SW: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # power-of-two shapes only: Q and K are kept as NoPE [.., 512] + RoPE [.., 64] tiles
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [64, D_NOPE], SW)
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [64, D_ROPE], SW)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, D_NOPE], SW)
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, D_ROPE], SW)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, D_NOPE], SW)
     kr_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, D_ROPE], SW)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SW)
+    # P (bf16): [64 heads, 64 tokens] for 64-head tiles, [64 tokens, HEADS] for narrow ones
+    p_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [64, HEADS], gl.NVMMASharedLayout.get_default_for([64, HEADS], gl.bfloat16)
+    )
     mask_smem = gl.allocate_shared_memory(
         gl.float32, [NUM_STAGES, 64], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     )
@@ -687,7 +915,9 @@ def launch(
         xargs += (p.extra_topk_length if p.extra_topk_length is not None else dummy_i32,)
     else:  # placeholders (never read)
         xargs = (raw, 0, 0, 1, dummy_i32, 0, 0, 0, 0, dummy_i32)
-    grid = (table.num_sm_parts, s_q, -(-h_q // BLOCK_H))
+    heads = hopper_head_tile(h_q)
+    narrow = heads < BLOCK_H
+    grid = (table.num_sm_parts, s_q, -(-h_q // heads))
     args = (
         q,
         q.stride(0),
@@ -737,13 +967,13 @@ def launch(
         HAS_MAX_LOGITS=max_logits is not None,
         PBS_POW2=pow2,
         PBS_LOG2=pbs.bit_length() - 1 if pow2 else 0,
-        PRODUCER_WARPS=config.producer_warps,
+        PRODUCER_WARPS=config.narrow_producer_warps if narrow else config.producer_warps,
         PRODUCER_REGS=config.producer_regs,
         PROFILE=config.profile,
+        HEADS=heads,
     )
-    launch_kernel(
-        _sparse_decode_gluon_kernel, grid, args, consts, {"num_warps": CONSUMER_WARPS, "maxnreg": config.maxnreg}
-    )
+    num_warps = NARROW_CONSUMER_WARPS if narrow else CONSUMER_WARPS
+    launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, {"num_warps": num_warps, "maxnreg": config.maxnreg})
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)
     return out, lse

@@ -168,14 +168,9 @@ def _block_step(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    HEADS_ON_N: tl.constexpr,
     RESCALE_TAU: tl.constexpr = 8.0,
 ):
-    """One BLOCK_N-token step of the online softmax; returns the updated (m, l, acc).
-
-    ``HEADS_ON_N`` (small head counts): the tokens are the dots' M and the heads their N
-    (``q_main``/``q_tail`` come transposed, ``[D, BLOCK_H]``; ``acc`` is ``[512, BLOCK_H]``), so an
-    8-32-head program keeps a 64-wide MMA tile busy instead of padding heads to 64."""
+    """One BLOCK_N-token step of the online softmax; returns the updated (m, l, acc)."""
     k_main, k_tail, valid = _load_block_keys(
         cache,
         sel,
@@ -194,23 +189,6 @@ def _block_step(
         BLOCK_N,
         DOT_DTYPE,
     )
-    if HEADS_ON_N:
-        # s [BLOCK_N, BLOCK_H]: rows are tokens; the same update as below along axis 0
-        s = tl.dot(k_main, q_main, input_precision=DOT_PREC)
-        if IS_V32:
-            s += tl.dot(k_tail, q_tail, input_precision=DOT_PREC)
-        s = tl.where(valid[:, None], s * scale_log2, float("-inf"))
-        m_blk = tl.max(s, axis=0)
-        grow = (m_blk - m_i) > RESCALE_TAU
-        m_new = tl.where(grow, m_blk, m_i)
-        alpha = tl.where(grow, tl.exp2(m_i - m_new), 1.0)
-        acc = acc * alpha[None, :]
-        l_i = l_i * alpha
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[None, :])
-        l_i += tl.sum(p, axis=0)
-        acc = tl.dot(tl.trans(k_main), p.to(DOT_DTYPE), acc=acc, input_precision=DOT_PREC)
-        return m_new, l_i, acc
     s = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PREC)
     if IS_V32:
         s += tl.dot(q_tail, tl.trans(k_tail), input_precision=DOT_PREC)
@@ -260,7 +238,6 @@ def _attend_blocks(
     HAS_LEN: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    HEADS_ON_N: tl.constexpr,
 ):
     """Online softmax over scheduler blocks [blk_begin, blk_end) of one cache, BLOCK_N tokens a step.
 
@@ -300,7 +277,6 @@ def _attend_blocks(
                 BLOCK_N,
                 DOT_DTYPE,
                 DOT_PREC,
-                HEADS_ON_N,
             )
     else:
         blk_i = sub_begin
@@ -329,7 +305,6 @@ def _attend_blocks(
                 BLOCK_N,
                 DOT_DTYPE,
                 DOT_PREC,
-                HEADS_ON_N,
             )
             blk_i += 1
     return m_i, l_i, acc
@@ -370,7 +345,6 @@ def _sparse_decode_kernel(
     DOT_PREC: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    HEADS_ON_N: tl.constexpr,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / BLOCK_H))``. ``q = (ptr, stride_b, stride_s, stride_h)``;
     ``out = (ptr, stride_b, stride_s, stride_h)``, ``lse = (ptr, stride_b, stride_h, stride_s)``;
@@ -409,26 +383,16 @@ def _sparse_decode_kernel(
         n_splits = tl.load(nsplit_ptr + req + 1) - split_base
         n_main = tl.load(mainblk_ptr + req)
 
-        qbase = q_ptr + req * stride_qb + sq * stride_qs
-        if HEADS_ON_N:  # Q as [D, BLOCK_H], the accumulator as [512, BLOCK_H]
-            qcol = qbase + heads.to(tl.int64)[None, :] * stride_qh
-            q_main = tl.load(qcol + cm[:, None], mask=hmask[None, :], other=0.0).to(DOT_DTYPE)
-            if IS_V32:
-                q_tail = tl.load(qcol + D_NOPE + ct[:, None], mask=hmask[None, :], other=0.0).to(DOT_DTYPE)
-            else:
-                q_tail = tl.zeros([D_TAIL, BLOCK_H], dtype=DOT_DTYPE)
-            acc = tl.zeros([D_MAIN, BLOCK_H], tl.float32)
+        qrow = q_ptr + req * stride_qb + sq * stride_qs + heads.to(tl.int64)[:, None] * stride_qh
+        q_main = tl.load(qrow + cm[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+        if IS_V32:
+            q_tail = tl.load(qrow + D_NOPE + ct[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
         else:
-            qrow = qbase + heads.to(tl.int64)[:, None] * stride_qh
-            q_main = tl.load(qrow + cm[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-            if IS_V32:
-                q_tail = tl.load(qrow + D_NOPE + ct[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-            else:
-                q_tail = tl.zeros([BLOCK_H, D_TAIL], dtype=DOT_DTYPE)
-            acc = tl.zeros([BLOCK_H, D_MAIN], tl.float32)
+            q_tail = tl.zeros([BLOCK_H, D_TAIL], dtype=DOT_DTYPE)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D_MAIN], tl.float32)
         # blocks [0, n_main) of a request are main-cache blocks, the rest extra-cache blocks
         m_i, l_i, acc = _attend_blocks(
             q_main,
@@ -458,7 +422,6 @@ def _sparse_decode_kernel(
             HAS_TOPK_LEN,
             FOR_LOOP,
             NUM_STAGES,
-            HEADS_ON_N,
         )
         if HAS_EXTRA:
             m_i, l_i, acc = _attend_blocks(
@@ -489,11 +452,8 @@ def _sparse_decode_kernel(
                 HAS_EXTRA_LEN,
                 FOR_LOOP,
                 NUM_STAGES,
-                HEADS_ON_N,
             )
 
-        if HEADS_ON_N:
-            acc = tl.trans(acc)
         if n_splits <= 1:
             o, lse_v = final_out_lse(acc, l_i, m_i, sink_log2, HAS_SINK)
             optr = out_ptr + req * stride_ob + sq * stride_os + heads[:, None] * stride_oh + cm[None, :]
@@ -610,7 +570,6 @@ def launch(
         HAS_EXTRA=has_extra,
         HAS_EXTRA_LEN=p.extra_topk_length is not None,
         HAS_SINK=p.attn_sink is not None,
-        HEADS_ON_N=block_h < 64,
         **dot_consts(interp),
     )
     launch_fitting(

@@ -21,6 +21,7 @@ from ..decode.combine import final_out_lse
 from ..decode.launcher import launch_fitting
 from ..decode.portable import ADDR_GENERAL, _cache_args, _load_block_keys, dot_consts, gather_consts
 from ..runtime import LOG2E, interpreting, require_runnable
+from ..scheduler import small_head_tile
 from .problem import PrefillProblem
 
 __all__ = ["launch", "BLOCK_N"]
@@ -225,7 +226,7 @@ def launch(
         kv_bf16 = (p.kv, p.kv.stride(0), p.kv.shape[0])
     ix = p.indices
     sel = (ix, *ix.stride(), ix.shape[2], p.topk_length if p.topk_length is not None else ix)
-    block_h = 16 if h_q <= 16 else 64  # heads per program (on the dots' M)
+    block_h = small_head_tile(h_q)
     args = (
         (q, q.stride(0), q.stride(1)),
         kv_bf16,
