@@ -107,16 +107,16 @@ class HopperConfig:
         producer_regs: registers per producer thread (``setmaxnreg``).
         maxnreg: register cap of the kernel (the consumer gets what the producer leaves).
         profile: a ``PROFILE_*`` mode (profiling tools only).
-        narrow_producer_warps: producer warps beside the one-warpgroup consumer of 8-32-head
-            tiles (:func:`_consumer_narrow`), where the producer's per-token work is what bounds
-            the kernel.
+        narrow_producer_warps: warps of each of the two producer partitions beside the
+            one-warpgroup consumer of 8-32-head tiles (:func:`_consumer_narrow`), where the
+            producer's per-token work is what bounds the kernel.
     """
 
     producer_warps: int = 4
     producer_regs: int = 128
     maxnreg: int = 168
     profile: int = PROFILE_OFF
-    narrow_producer_warps: int = 8
+    narrow_producer_warps: int = 4
 
     def __post_init__(self) -> None:
         for name in ("producer_warps", "producer_regs", "maxnreg", "narrow_producer_warps"):
@@ -265,10 +265,10 @@ def _stage_block(raw, sc, rope, vmask, ring, stage, phase, IS_V32: gl.constexpr,
     t3e = gl.expand_dims(gl.expand_dims(t3, 0), 2)
     # wait for the consumer to free this stage (first lap passes: phase starts at 1)
     mbarrier.wait(empty_bars.index(stage), phase ^ 1)
-    # fp8 -> bf16 is exact, and so is the product with a power-of-two scale, taken in bf16x2 (one
-    # multiply per two values; in fp32 it was two): e4m3x2 -> f16x2 -> 2 x f32 -> bf16x2, x scale.
-    # One smem store for the whole tile (separate column-slice stores each cost a barrier)
-    kv = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(gl.bfloat16) * gl.expand_dims(sc.to(gl.bfloat16), 2)
+    # fp8 -> bf16 is exact, and so is the product with a power-of-two scale; one smem
+    # store for the whole tile (separate column-slice stores each cost a barrier). (The product
+    # taken in bf16x2, 11 % fewer producer instructions, measured no faster: docs/perf-log.md)
+    kv = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
     if IS_V32:
         k_smem.index(stage).store(gl.reshape(kv, [64, D_NOPE]))
         kr_smem.index(stage).store(rope)
@@ -317,8 +317,14 @@ def _producer(
     PBS_LOG2: gl.constexpr,
     ALIGN: gl.constexpr,
     PROFILE: gl.constexpr,
+    PART: gl.constexpr,
+    NPART: gl.constexpr,
 ):
-    """Gather, dequantise and stage the K tiles of this partition's blocks (see the module doc)."""
+    """Gather, dequantise and stage the K tiles of this partition's blocks (see the module doc).
+
+    With ``NPART`` producer partitions (2 beside the narrow consumer), partition ``PART`` takes
+    the blocks whose running count ``it`` is ``PART`` mod ``NPART`` (ring stage ``it % 2``): each
+    has its own barriers, so one partition's gathers are in flight while the other dequantises."""
     stride_tok = cache[2]
     idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr = sel
     xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr = xsel
@@ -347,11 +353,15 @@ def _producer(
             n_extra = gl.minimum(gl.load(x_len_ptr + req), x_topk)
         ibase = idx_ptr + req.to(gl.int64) * stride_ib + sq * stride_is
         xibase = xidx_ptr + req.to(gl.int64) * x_stride_ib + sq * x_stride_is
+        # this partition's first block (block blk is the request's (it0 + blk - blk0)-th of the walk)
+        it0 = it
+        first = blk0 + (PART - it0 % NPART + NPART) % NPART
         # the first block's indices; every iteration then loads the next block's (prefetch)
         idx_next = _block_indices(
-            blk0, blk1, mb, ibase, stride_it, n_main, xibase, x_stride_it, n_extra, HAS_EXTRA, ROW8
+            first, blk1, mb, ibase, stride_it, n_main, xibase, x_stride_it, n_extra, HAS_EXTRA, ROW8
         )
-        for blk in range(blk0, blk1):
+        for blk in range(first, blk1, NPART):
+            it = it0 + blk - blk0
             stage = it % 2
             phase = (it // 2) & 1
             if PROFILE == 2:
@@ -362,7 +372,7 @@ def _producer(
             else:
                 idx8 = idx_next
                 idx_next = _block_indices(
-                    blk + 1, blk1, mb, ibase, stride_it, n_main, xibase, x_stride_it, n_extra, HAS_EXTRA, ROW8
+                    blk + NPART, blk1, mb, ibase, stride_it, n_main, xibase, x_stride_it, n_extra, HAS_EXTRA, ROW8
                 )
                 c_ptr, c_sblk, c_ntok, c_pbs = _block_cache(blk, mb, cache, xcache, HAS_EXTRA)
                 # every gather of the block is in flight before the wait for a free stage
@@ -371,7 +381,7 @@ def _producer(
                     P_WARPS,
                 )  # fmt: skip
                 _stage_block(raw, sc, rope, vmask, ring, stage, phase, IS_V32, P_WARPS)
-            it += 1
+        it = it0 + blk1 - blk0
         req += 1
 
 
@@ -799,55 +809,133 @@ def _sparse_decode_gluon_kernel(
 
     sched = (meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr)
     ring = (k_smem, kr_smem, mask_smem, ready_bars, empty_bars)
-    gl.warp_specialize(
-        [
-            (
-                _consumer,
+    # (constexpr arguments must be written out in each partition's tuple: a tuple held in a
+    # variable passes them as runtime values)
+    if HEADS == 64:
+        gl.warp_specialize(
+            [
                 (
-                    (q_ptr, stride_qb, stride_qs, stride_qh),
-                    sink_ptr,
-                    sched,
-                    (out_ptr, stride_ob, stride_os, stride_oh),
-                    (lse_ptr, stride_lb, stride_lh, stride_ls),
-                    (oacc_ptr, stride_ar, stride_as, stride_ah),
-                    (lacc_ptr, stride_lr, stride_lsq),
-                    (ml_ptr, stride_mlb, stride_mlh),
-                    scale_log2,
-                    h_q,
-                    q_smem,
-                    qr_smem,
-                    p_smem,
-                    ring,
-                    IS_V32,
-                    HAS_EXTRA,
-                    HAS_SINK,
-                    HAS_MAX_LOGITS,
-                    PROFILE,
+                    _consumer,
+                    (
+                        (q_ptr, stride_qb, stride_qs, stride_qh),
+                        sink_ptr,
+                        sched,
+                        (out_ptr, stride_ob, stride_os, stride_oh),
+                        (lse_ptr, stride_lb, stride_lh, stride_ls),
+                        (oacc_ptr, stride_ar, stride_as, stride_ah),
+                        (lacc_ptr, stride_lr, stride_lsq),
+                        (ml_ptr, stride_mlb, stride_mlh),
+                        scale_log2,
+                        h_q,
+                        q_smem,
+                        qr_smem,
+                        p_smem,
+                        ring,
+                        IS_V32,
+                        HAS_EXTRA,
+                        HAS_SINK,
+                        HAS_MAX_LOGITS,
+                        PROFILE,
+                    ),
                 ),
-            ),
-            (
-                _producer,
                 (
-                    (kv_ptr, stride_blk, stride_tok, num_tokens, pbs),
-                    (xkv_ptr, x_stride_blk, x_num_tokens, x_pbs),
-                    (idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr),
-                    (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
-                    sched,
-                    ring,
-                    IS_V32,
-                    HAS_TOPK_LEN,
-                    HAS_EXTRA,
-                    HAS_EXTRA_LEN,
-                    PBS_POW2,
-                    PBS_LOG2,
-                    ALIGN,
-                    PROFILE,
+                    _producer,
+                    (
+                        (kv_ptr, stride_blk, stride_tok, num_tokens, pbs),
+                        (xkv_ptr, x_stride_blk, x_num_tokens, x_pbs),
+                        (idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr),
+                        (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
+                        sched,
+                        ring,
+                        IS_V32,
+                        HAS_TOPK_LEN,
+                        HAS_EXTRA,
+                        HAS_EXTRA_LEN,
+                        PBS_POW2,
+                        PBS_LOG2,
+                        ALIGN,
+                        PROFILE,
+                        0,
+                        1,
+                    ),
                 ),
-            ),
-        ],
-        [PRODUCER_WARPS],
-        [PRODUCER_REGS],
-    )
+            ],
+            [PRODUCER_WARPS],
+            [PRODUCER_REGS],
+        )
+    else:  # narrow tiles: two producer partitions take alternate blocks
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        (q_ptr, stride_qb, stride_qs, stride_qh),
+                        sink_ptr,
+                        sched,
+                        (out_ptr, stride_ob, stride_os, stride_oh),
+                        (lse_ptr, stride_lb, stride_lh, stride_ls),
+                        (oacc_ptr, stride_ar, stride_as, stride_ah),
+                        (lacc_ptr, stride_lr, stride_lsq),
+                        (ml_ptr, stride_mlb, stride_mlh),
+                        scale_log2,
+                        h_q,
+                        q_smem,
+                        qr_smem,
+                        p_smem,
+                        ring,
+                        IS_V32,
+                        HAS_EXTRA,
+                        HAS_SINK,
+                        HAS_MAX_LOGITS,
+                        PROFILE,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        (kv_ptr, stride_blk, stride_tok, num_tokens, pbs),
+                        (xkv_ptr, x_stride_blk, x_num_tokens, x_pbs),
+                        (idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr),
+                        (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
+                        sched,
+                        ring,
+                        IS_V32,
+                        HAS_TOPK_LEN,
+                        HAS_EXTRA,
+                        HAS_EXTRA_LEN,
+                        PBS_POW2,
+                        PBS_LOG2,
+                        ALIGN,
+                        PROFILE,
+                        0,
+                        2,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        (kv_ptr, stride_blk, stride_tok, num_tokens, pbs),
+                        (xkv_ptr, x_stride_blk, x_num_tokens, x_pbs),
+                        (idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr),
+                        (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
+                        sched,
+                        ring,
+                        IS_V32,
+                        HAS_TOPK_LEN,
+                        HAS_EXTRA,
+                        HAS_EXTRA_LEN,
+                        PBS_POW2,
+                        PBS_LOG2,
+                        ALIGN,
+                        PROFILE,
+                        1,
+                        2,
+                    ),
+                ),
+            ],
+            [PRODUCER_WARPS, PRODUCER_WARPS],
+            [PRODUCER_REGS, PRODUCER_REGS],
+        )
 
 
 # --------------------------------------------------------------------------------------------- launcher
