@@ -28,6 +28,16 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
         )
     os.environ["TRITON_INTERPRET"] = "1"
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # define every kernel module now, under the interpreter: a test that sets TRITON_INTERPRET=0
+    # for a reference path (monkeypatch) must not be the first to import one (its kernels would
+    # then be compiled ones, and every later interpreter test of that module would fail)
+    import importlib
+
+    for _mod in ("decode.portable", "decode.combine", "prefill.portable", "indexer.kernels",
+                 "serving.store", "serving.index_convert"):  # fmt: skip
+        importlib.import_module(f"sparse_mla.{_mod}")
+
 
 def pytest_report_header(config):
     if torch.cuda.is_available():

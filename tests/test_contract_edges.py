@@ -451,6 +451,49 @@ def test_self_overlapping_or_aliasing_outputs_are_refused():
 
 
 @needs_kernels
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_a_repeated_call_still_refuses_overlapping_outputs(backend):
+    # a call with the geometry of the object's last validated one skips validation: the overlap of
+    # out/lse with this call's tensors (addresses are not in the fingerprint) is still checked
+    p = to_dev(make_problem(b=2, s_q=1, h_q=3, topk=64, num_blocks=4, seed=35))
+    meta, _ = flash_mla.get_mla_metadata()
+    b, s_q, h_q = 2, 1, 3
+    ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512)
+    o, lse = _decode(p, meta, backend=backend, out=torch.empty(b, s_q, h_q, 512, dtype=torch.bfloat16, device=DEVICE),
+                     lse=torch.empty(b, h_q, s_q, device=DEVICE))  # fmt: skip
+    check_decode_close(o, lse, ro, rl)
+    buf = torch.empty(b * s_q * h_q * 512, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="^lse: must not overlap"):  # lse inside out
+        _decode(
+            p, meta, backend=backend, out=buf.view(b, s_q, h_q, 512), lse=buf.view(torch.float32)[:6].view(b, h_q, s_q)
+        )
+    raw = p.k_cache.view(torch.uint8).view(-1)
+    before = raw.clone()
+    inside_cache = raw[: b * s_q * h_q * 512 * 2].view(torch.bfloat16).view(b, s_q, h_q, 512)
+    with pytest.raises(ValueError, match="^out: must not overlap"):  # out inside the cache
+        _decode(p, meta, backend=backend, out=inside_cache, lse=torch.empty(b, h_q, s_q, device=DEVICE))
+    assert torch.equal(raw, before)  # nothing written
+    # the same geometry with disjoint buffers still takes the repeated-call path and is right
+    o, lse = _decode(p, meta, backend=backend, out=torch.empty(b, s_q, h_q, 512, dtype=torch.bfloat16, device=DEVICE),
+                     lse=torch.empty(b, h_q, s_q, device=DEVICE))  # fmt: skip
+    check_decode_close(o, lse, ro, rl)
+
+
+@needs_kernels
+def test_outputs_overlapping_a_strided_vector_input_are_refused():
+    # attn_sink / topk_length views are copied contiguous for the kernels; the overlap rule is
+    # about the caller's tensors
+    p = to_dev(make_problem(b=2, s_q=1, h_q=3, topk=64, num_blocks=4, seed=36))
+    meta, _ = flash_mla.get_mla_metadata()
+    buf = torch.randn(12, device=DEVICE)
+    with pytest.raises(ValueError, match="^lse: must not overlap"):
+        _decode(p, meta, attn_sink=buf[::2][:3], lse=buf[:6].view(2, 3, 1))
+    ibuf = torch.full((2 * 3 * 512,), 64, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="^lse: must not overlap"):
+        _decode(p, meta, topk_length=ibuf[::3][:2], lse=ibuf.view(torch.float32)[:6].view(2, 3, 1))
+
+
+@needs_kernels
 def test_a_repeated_call_checks_its_scalars_as_the_first():
     p = to_dev(make_problem(b=2, s_q=1, h_q=16, topk=64, num_blocks=4, seed=33))
     meta, _ = flash_mla.get_mla_metadata()

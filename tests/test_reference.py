@@ -389,3 +389,26 @@ def test_check_decode_close_accepts_and_rejects():
         check_decode_close(drift, ref_lse, ref_out, ref_lse)
     with pytest.raises(AssertionError, match="shape"):
         check_decode_close(ref_out[:1], ref_lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("scale", [1e4, 1e6, 1e30])
+def test_huge_scores_give_the_top_keys_value(scale):
+    # scores of |s| ~ 1e5 and more: the weights come from exp(s - max) (exp(s - lse) with an fp32 lse
+    # was off by ~0.2 at 1e6: lse = max + ln 2 rounds to a quarter); one key, listed twice, carries
+    # the whole softmax, so out is its value row
+    from sparse_mla.decode.reference import gather_kv
+    from sparse_mla.prefill.reference import sparse_prefill_reference
+
+    p = make_problem(b=2, s_q=1, h_q=1, topk=128, num_blocks=4, seed=41)
+    p.indices[..., 64:] = p.indices[..., :64]  # every key twice: the top weight is 1/2 + 1/2
+    q = (p.q.float() * scale).to(torch.bfloat16)
+    out, lse = sparse_decode_reference(q, p.k_cache, p.indices, None, 512)
+    k, valid = gather_kv(p.k_cache, p.indices)
+    s = torch.einsum("bshd,bstd->bsht", q.float(), k).masked_fill(~valid.unsqueeze(2), float("-inf"))
+    top = s.argmax(-1)  # [b, s_q, h]
+    want = torch.gather(k[..., :512], 2, top[..., None].expand(-1, -1, -1, 512))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    # the prefill twin: the same weights
+    o2, _, _ = sparse_prefill_reference(q[:, 0], p.k_cache, p.indices[:, 0][:, None], 576**-0.5)
+    torch.testing.assert_close(o2, want[:, 0], rtol=1e-6, atol=1e-6)

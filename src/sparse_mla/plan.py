@@ -106,8 +106,9 @@ class FlashMLASchedMeta:
     have_initialized: bool = False
     config: ScheduleConfig | None = None
     plan: DecodePlan | None = None
-    #: the last validated call's fingerprint, scalars, problem and launch replay (serving.ops:
-    #: repeated calls skip the checks and replay the launches)
+    #: the last validated call's fingerprint, scalars, problem, launch replay and (when it had
+    #: out/lse) its tensors' byte ranges relative to their pointers (serving.ops: repeated calls
+    #: skip the checks but the out/lse overlap one, and replay the launches)
     call_cache: Any = field(default=None, repr=False, compare=False)
 
     @property

@@ -207,6 +207,8 @@ def validate_sparse_decode(
     lay = _check_q(q)
     b, s_q, h_q, d_qk = q.shape
     dev = q.device
+    # the caller's tensors (not the contiguous copies made below): what out/lse must not overlap
+    given = (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     _check_flags(lay, head_dim_v, is_fp8_kvcache, causal)
     sm_scale = _sm_scale(softmax_scale, d_qk)
     _check_cache(k_cache, "k_cache", lay, dev)
@@ -221,7 +223,7 @@ def validate_sparse_decode(
         _check_indices(extra_indices_in_kvcache, "extra_indices_in_kvcache", b, s_q, dev)
         extra_topk_length = _check_vector(extra_topk_length, "extra_topk_length", torch.int32, b, "b", dev)
     attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
-    inputs = (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+    inputs = given
     if out is not None:
         check_tensor(out, "out", (torch.bfloat16,), 4, dev)
         if tuple(out.shape) != (b, s_q, h_q, lay.d_v):
@@ -296,6 +298,42 @@ def empty_outputs(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [b, s_q, h_q, d_v]`` bf16 and ``lse [b, h_q, s_q]`` fp32 of an empty step (no launch;
     the caller's ``out``/``lse`` when given)."""
     return output_tensors(p)
+
+
+def relative_byte_ranges(tensors) -> tuple:
+    """``((index, first - data_ptr, last - data_ptr), ...)`` for each non-empty tensor of
+    ``tensors`` (the eight decode inputs, then ``out``, then ``lse``; None where not given): with
+    the same shapes and strides, ``data_ptr + these`` are their byte ranges (what a repeated call
+    with the same fingerprint needs for :func:`check_outputs_apart`)."""
+    rel = []
+    for i, t in enumerate(tensors):
+        if t is not None and t.numel() > 0:
+            lo, hi = _byte_range(t)
+            ptr = t.data_ptr()
+            rel.append((i, lo - ptr, hi - ptr))
+    return tuple(rel)
+
+
+def check_outputs_apart(tensors, rel: tuple) -> None:
+    """The overlap rule of :func:`validate_sparse_decode` for a call whose tensors have the shapes
+    and strides ``rel`` was computed from (:func:`relative_byte_ranges`): ``out`` (index 8) must not
+    overlap an input, ``lse`` (index 9) neither an input nor ``out``.
+
+    Raises:
+        ValueError: naming ``out`` or ``lse``.
+    """
+    seen = []
+    for i, lo, hi in rel:
+        ptr = tensors[i].data_ptr()
+        lo += ptr
+        hi += ptr
+        if i >= 8:
+            for olo, ohi in seen:
+                if lo <= ohi and olo <= hi:
+                    raise ValueError(
+                        f"{'out' if i == 8 else 'lse'}: must not overlap an input or another output in memory"
+                    )
+        seen.append((lo, hi))
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:

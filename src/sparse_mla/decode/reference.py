@@ -87,6 +87,18 @@ def _poisoned(s: torch.Tensor) -> torch.Tensor:
     return (torch.isnan(s) | torch.isposinf(s)).any(dim=-1)
 
 
+def softmax_weights(s: torch.Tensor) -> torch.Tensor:
+    """The attention weights of scores ``s`` along the last dim: ``exp(s - max) / Σ exp(s - max)``.
+    (``exp(s - lse)`` with an fp32 ``lse`` is off once |s| reaches ~1e5: lse's rounding error
+    multiplies every weight.) A row with no finite max gets ``exp(s) / Σ``: NaN for an all ``-inf``
+    row (the callers' lonely rows, masked) and for a NaN / ``+inf`` score (the poisoned rows)."""
+    if s.shape[-1] == 0:
+        return s
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+    return p / p.sum(dim=-1, keepdim=True)
+
+
 def _sink_factor(lse: torch.Tensor, attn_sink: torch.Tensor | None) -> torch.Tensor:
     """``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``; lse [..., h], sink [h].
 
@@ -132,8 +144,7 @@ def sparse_decode_reference(
     lse = torch.logsumexp(s, dim=-1)  # [b, s_q, h]; -inf when nothing is valid
     lse = torch.where(_poisoned(s), torch.full_like(lse, float("nan")), lse)
     lonely = torch.isneginf(lse)
-    p = torch.exp(s - torch.where(lonely, torch.zeros_like(lse), lse).unsqueeze(-1))
-    out = torch.einsum("bsht,bstd->bshd", p, v)
+    out = torch.einsum("bsht,bstd->bshd", softmax_weights(s), v)
     lse = torch.where(lonely, torch.full_like(lse, float("inf")), lse)
     out = out * _sink_factor(lse, attn_sink).unsqueeze(-1)
     out = torch.where(lonely.unsqueeze(-1), torch.zeros_like(out), out)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..decode.reference import gather_kv
+from ..decode.reference import gather_kv, softmax_weights
 
 __all__ = ["gather_prefill_keys", "sparse_prefill_reference"]
 
@@ -72,8 +72,7 @@ def sparse_prefill_reference(
     poisoned = (torch.isnan(s) | torch.isposinf(s)).any(dim=-1)
     lse = torch.where(poisoned, torch.full_like(lse, float("nan")), lse)
     lonely = torch.isneginf(lse)
-    p = torch.exp(s - torch.where(lonely, torch.zeros_like(lse), lse).unsqueeze(-1))
-    out = torch.einsum("sht,std->shd", p, k[..., :d_v])
+    out = torch.einsum("sht,std->shd", softmax_weights(s), k[..., :d_v])
     lse = torch.where(lonely, torch.full_like(lse, float("inf")), lse)
     if attn_sink is not None:
         out = out * torch.sigmoid(lse - attn_sink.float().to(lse.device)).unsqueeze(-1)

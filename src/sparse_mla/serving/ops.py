@@ -37,7 +37,15 @@ from ..decode.backends import resolve_backend, run_decode
 from ..plan import DecodePlan, FlashMLASchedMeta, check_sched_meta, ensure_plan
 from ..prefill.problem import validate_sparse_prefill
 from ..prefill.run import run_prefill
-from ..problem import DecodeProblem, empty_outputs, into_buffers, is_empty, validate_sparse_decode
+from ..problem import (
+    DecodeProblem,
+    check_outputs_apart,
+    empty_outputs,
+    into_buffers,
+    is_empty,
+    relative_byte_ranges,
+    validate_sparse_decode,
+)
 from ..runtime import on_tensor_device, use_triton
 from ..scheduler import MAX_ACC_ROWS_PER_PART, META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
 
@@ -359,7 +367,10 @@ def decode(
     fp = None if through_op else _fingerprint(fields.values())
     cached = tile_scheduler_metadata.call_cache
     if fp is not None and cached is not None and cached[0] == fp and cached[1] == scalars:
-        # the same geometry as the last validated call of this object: only the data differ
+        # the same geometry as the last validated call of this object: only the data differ. The
+        # caller's out/lse must still not overlap this call's inputs (addresses are not in fp)
+        if cached[4] is not None:
+            check_outputs_apart(tuple(fields.values()), cached[4])
         for name in _VECTOR_FIELDS:
             fields[name] = _dense(fields[name])
         if cached[3]:
@@ -385,7 +396,8 @@ def decode(
     # kept without the call's tensors (the object must not keep them alive); the launch replay
     # (made by the first launch) in the last place
     stripped = dataclasses.replace(p, **dict.fromkeys(fields))
-    tile_scheduler_metadata.call_cache = (fp, scalars, stripped, None)
+    spans = relative_byte_ranges(fields.values()) if out is not None or lse is not None else None
+    tile_scheduler_metadata.call_cache = (fp, scalars, stripped, None, spans)
     fields.update(topk_length=p.topk_length, attn_sink=p.attn_sink, extra_topk_length=p.extra_topk_length)
     return _launch_planned(p, plan, tile_scheduler_metadata, fields)
 
@@ -413,7 +425,7 @@ def _launch_planned(
     replay = _make_replay(launches, plan, fields, out, lse)
     # a launch recorded as None (a launch hook, the direct path off) may be replayable next time
     if replay is not None or None not in launches:
-        meta.call_cache = (*entry[:3], replay or False)
+        meta.call_cache = (*entry[:3], replay or False, *entry[4:])
     return out, lse
 
 
