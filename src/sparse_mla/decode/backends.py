@@ -148,7 +148,7 @@ class HopperBackend(Backend):
         return hopper_unsupported(p.q.device)
 
     def heads_per_cta(self, h_q: int) -> int:
-        # 8-32 heads: the heads are the wgmma's N (16 or 32); else 64-head tiles (one wgmma M), whose
+        # h_q <= 32: the heads are the wgmma's N (16 or 32); else 64-head tiles (one wgmma M), whose
         # rows past h_q are zero queries, never stored
         return hopper_head_tile(h_q)
 

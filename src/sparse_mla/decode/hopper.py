@@ -97,7 +97,7 @@ D_NOPE = gl.constexpr(512)
 D_ROPE = gl.constexpr(64)
 NUM_STAGES = gl.constexpr(2)
 CONSUMER_WARPS = 8
-NARROW_CONSUMER_WARPS = 4  # one warpgroup: 8-32-head tiles (_consumer_narrow)
+NARROW_CONSUMER_WARPS = 4  # one warpgroup: 16- or 32-head tiles (_consumer_narrow)
 
 # profiling modes (HopperConfig.profile; set only by scripts/profile_gluon.py and the benchmarks'
 # variant runner): outputs are garbage in every mode but OFF
@@ -118,7 +118,7 @@ class HopperConfig:
         maxnreg: register cap of the kernel (the consumer gets what the producer leaves).
         profile: a ``PROFILE_*`` mode (profiling tools only).
         narrow_producer_warps: warps of each of the two producer partitions beside the
-            one-warpgroup consumer of 8-32-head tiles (:func:`_consumer_narrow`), where the
+            one-warpgroup consumer of 16- or 32-head tiles (:func:`_consumer_narrow`), where the
             producer's per-token work is what bounds the kernel.
     """
 
@@ -572,7 +572,7 @@ def _consumer_narrow(
     HAS_MAX_LOGITS: gl.constexpr,
     PROFILE: gl.constexpr,
 ):
-    """The consumer for 8-32 heads (one warpgroup): the block's 64 tokens are the wgmmas' M and the
+    """The consumer of 16- or 32-head tiles (one warpgroup): the block's 64 tokens are the wgmmas' M and the
     ``HEADS`` heads their N, ``Sᵀ = K Qᵀ [64, HEADS]`` and ``Oᵀ += Vᵀ Pᵀ [512, HEADS]``, so no MMA row
     is a padded head; the softmax reduces along the tokens (axis 0)."""
     q_ptr, stride_qb, stride_qs, stride_qh = q
@@ -715,7 +715,7 @@ def _consumer(
     HAS_MAX_LOGITS: gl.constexpr,
     PROFILE: gl.constexpr,
 ):
-    """The default partition: 64-head tiles (:func:`_consumer_wide`, 2 warpgroups) or 8-32 heads
+    """The default partition: 64-head tiles (:func:`_consumer_wide`, 2 warpgroups) or 16- or 32-head tiles
     (:func:`_consumer_narrow`, 1 warpgroup), by the Q tile's rows."""
     if q_smem.shape[0] == 64:
         _consumer_wide(
