@@ -242,6 +242,27 @@ def test_non_finite_q(path, interp, num_sms, monkeypatch):
     assert torch.isfinite(lse[finite]).all()  # one bad head poisons only itself
 
 
+@pytest.mark.parametrize("path,interp", _paths())
+@pytest.mark.parametrize("layout", ["V32", "MODEL1"])
+def test_nan_byte_in_an_attended_token(path, interp, layout, monkeypatch):
+    # an e4m3 NaN byte (0x7F) in a token that is attended makes its scores NaN: out and lse NaN
+    # for every head of that query, as the reference says (the interpreter's e4m3 cast read it as
+    # 480, a finite wrong answer, until the portable kernel decoded the bytes itself there)
+    if interp is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", interp)
+    p = make_problem(b=2, s_q=1, h_q=16, topk=64, num_blocks=4, seed=47, layout=layout)
+    raw = p.k_cache.view(torch.uint8)
+    slot = next(int(x) for x in p.indices[1, 0] if x >= 0 and x not in p.indices[0])  # request 1's alone
+    pbs = raw.shape[1]
+    raw[slot // pbs, slot % pbs, 0, 3] = 0x7F  # a NoPE byte of the token (both layouts start with them)
+    p = to_dev(p)
+    ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512, **p.ref_kwargs())
+    assert torch.isnan(rl[1]).all() and torch.isfinite(rl[0]).all()
+    out, lse = run_api(p, 8)
+    check_decode_close(out, lse, ro, rl, finite=False)
+    assert torch.isnan(lse[1]).all() and torch.isnan(out[1].float()).all() and torch.isfinite(lse[0]).all()
+
+
 # ------------------------------------------------------------------ 5. MODEL1 caches without block padding
 
 

@@ -493,7 +493,15 @@ def _bad_calls():
         (qp, cache, torch.ones(4, 4), ctx, bt, flash_mla.get_paged_mqa_logits_metadata(ctx, 8, 1), 32),
     )
     yield "max_context_len: expected an int", ValueError, paged, (qp, cache, torch.ones(4, 4), ctx, bt, meta, -1)
-    yield "k: expected an int >= 1", ValueError, flash_mla.topk_indices, (torch.zeros(2, 5), 0)
+    yield "k: expected an int in", ValueError, flash_mla.topk_indices, (torch.zeros(2, 5), 0)
+    yield "k: expected an int in", ValueError, flash_mla.topk_indices, (torch.zeros(2, 5), 2**62)
+    yield "max_context_len: expected an int", ValueError, paged, (qp, cache, torch.ones(4, 4), ctx, bt, meta, 10**30)
+    yield (
+        "page_block_size: expected an int",
+        ValueError,
+        flash_mla.topk_kvcache_indices,
+        (torch.zeros(2, 5), 2, torch.zeros(2, 1, dtype=torch.int32), 10**30, 1),
+    )
     yield "logits: expected dtype", TypeError, flash_mla.topk_indices, (torch.zeros(2, 5, dtype=torch.int32), 2)
     yield (
         "row_ends: expected shape",
@@ -554,7 +562,7 @@ def test_operators_opcheck_and_compile():
     got = torch.compile(api_step, fullgraph=True, backend="aot_eager")(k, c1, slots, *args[:1], w, ctx, table, meta)
     want = api_step(k, c2, slots, *args[:1], w, ctx, table, meta)
     assert torch.equal(got, want) and torch.equal(c1, c2)
-    with pytest.raises(Exception, match="k: expected an int >= 1"):
+    with pytest.raises(Exception, match="k: expected an int"):
         torch.compile(lambda x: flash_mla.topk_indices(x, True), fullgraph=True, backend="aot_eager")(logits)
     with pytest.raises(Exception, match="logits: expected a 2-D tensor"):
         torch.compile(lambda x: flash_mla.topk_indices(x, 3), fullgraph=True, backend="aot_eager")(logits[0])
@@ -586,3 +594,32 @@ def test_nan_query_bytes_give_nan_logits_on_the_default_path():
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and bool(torch.isnan(want[0]).any())
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got))
+
+
+@needs_kernels
+@pytest.mark.parametrize("h", [3, 5])
+def test_an_inf_key_scale_with_padded_heads_matches_the_twin(h):
+    # H not a power of two: the kernels' padded head rows (zero queries) times an inf key scale
+    # must add nothing (they added 0 * inf = NaN to every row's sum)
+    d = 16
+    keys = torch.full((4, d), -1.0).to(torch.float8_e4m3fn).to(DEVICE)
+    sc = torch.tensor([float("inf"), 1.0, float("inf"), 0.5], device=DEVICE)
+    q = torch.ones(2, h, d).to(torch.float8_e4m3fn).to(DEVICE)
+    w = torch.ones(2, h, device=DEVICE)
+    ks = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    ke = torch.full((2,), 4, dtype=torch.int32, device=DEVICE)
+    got = flash_mla.fp8_mqa_logits(q, (keys, sc), w, ks, ke)
+    want = fp8_mqa_logits_reference(q, keys, sc, w, ks, ke)
+    assert not torch.isnan(want).any() and torch.equal(got, want)
+    # the paged form: the same keys and scales written into a one-block cache
+    cache = torch.zeros(1, 4, 1, d + 4, dtype=torch.uint8, device=DEVICE)
+    flat = cache.view(-1)
+    flat[: 4 * d] = keys.view(torch.uint8).reshape(-1)
+    flat[4 * d : 4 * d + 16] = sc.view(torch.uint8)
+    qp = q[:1].unsqueeze(0)  # [b=1, next_n=1, H, D]
+    ctx = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    meta = flash_mla.get_paged_mqa_logits_metadata(ctx, 4, 1)
+    got = flash_mla.fp8_paged_mqa_logits(qp, cache, w[:1], ctx, bt, meta, 4)
+    want = fp8_paged_mqa_logits_reference(qp, cache, w[:1], ctx, bt, 4)
+    assert not torch.isnan(want).any() and torch.equal(got, want)

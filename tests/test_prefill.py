@@ -284,6 +284,7 @@ def _bad_calls():
     yield "sm_scale: expected a float", TypeError, dict(ok, sm_scale="0.1")
     yield "sm_scale: expected a finite positive", ValueError, dict(ok, sm_scale=float("nan"))
     yield "sm_scale: expected a finite positive", ValueError, dict(ok, sm_scale=0.0)
+    yield "sm_scale: expected a finite positive", ValueError, dict(ok, sm_scale=10**400)  # beyond float64
     yield "d_v: expected 512", ValueError, dict(ok, d_v=576)
     yield "attn_sink: expected dtype", TypeError, dict(ok, attn_sink=torch.zeros(16, dtype=torch.float64))
     yield r"attn_sink: expected shape \[h_q=16\]", ValueError, dict(ok, attn_sink=torch.zeros(15))

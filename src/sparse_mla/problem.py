@@ -129,7 +129,10 @@ def check_scale(value: Any, name: str, expected: str = "a float") -> float:
     """A finite positive real number (not a bool) as a float, else ``TypeError``/``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected {expected}, got {type(value).__name__}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int or Fraction beyond float64
+        raise ValueError(f"{name}: expected a finite positive float (as float32), got {value!r}") from None
     # the kernels take it as float32: it must stay finite and non-zero there too
     if not (0 < v < float("inf")) or not (0 < float(torch.tensor(v, dtype=torch.float32)) < float("inf")):
         raise ValueError(f"{name}: expected a finite positive float (as float32), got {value!r}")

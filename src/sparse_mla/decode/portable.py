@@ -73,6 +73,27 @@ class PortableConfig:
 
 
 @triton.jit
+def e4m3_decode_exact(b):
+    """e4m3 bytes (any integer dtype) -> float32 by integer operations, exactly: sign and the 7 low
+    bits placed into an fp16 (times 2^8 restores the exponent bias); 0x7F / 0xFF are NaN."""
+    b = b.to(tl.int32)
+    h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16)
+    x = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), x)
+
+
+@triton.jit
+def _e4m3_to(k8, DOT_DTYPE: tl.constexpr):
+    """Cache bytes -> dot operands. Compiled: Triton's e4m3 conversion. fp32 operands are the
+    interpreter's (:func:`dot_consts`), whose e4m3 cast reads the NaN bytes as +-480: there the
+    exact integer decode instead."""
+    if DOT_DTYPE == tl.float32:
+        return e4m3_decode_exact(k8)
+    else:
+        return k8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
+
+
+@triton.jit
 def _load_block_keys(
     cache,
     sel,
@@ -112,7 +133,7 @@ def _load_block_keys(
     if IS_V32:
         tok = blk * stride_blk + off * stride_tok  # byte offset of each token record
         k8 = tl.load(kv_ptr + tok[:, None] + cols[None, :], mask=valid[:, None], other=0)
-        kf = k8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
+        kf = _e4m3_to(k8, DOT_DTYPE)
         sptr = (kv_ptr + tok + D_NOPE).to(tl.pointer_type(tl.float32))
         tiles = tl.arange(0, MAIN_TILES)
         sc = tl.load(sptr[:, None] + tiles[None, :], mask=valid[:, None], other=0.0)
@@ -126,7 +147,7 @@ def _load_block_keys(
         tok = base + off * (D_NOPE + 2 * D_TAIL)
         is_nope = cols < D_NOPE
         k8 = tl.load(kv_ptr + tok[:, None] + cols[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
-        kf = k8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
+        kf = _e4m3_to(k8, DOT_DTYPE)
         tiles = tl.arange(0, MAIN_TILES)
         eb = tl.load(
             kv_ptr + base[:, None] + pbs * (D_NOPE + 2 * D_TAIL) + off[:, None] * 8 + tiles[None, :],

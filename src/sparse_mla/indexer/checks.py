@@ -14,6 +14,10 @@ __all__ = ["HEAD_DIMS", "check_index_cache", "check_tensor_arg", "index_cache_ge
 HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
+#: the largest int32 (positions, lengths and counts the kernels hold in int32)
+INT32_MAX = 2**31 - 1
+
+
 def check_tensor_arg(x: Any, name: str, dtypes: tuple, dim: int, device: torch.device | None = None) -> torch.Tensor:
     """:func:`sparse_mla.problem.check_tensor` for the indexer's calls (the device is the first tensor's)."""
     return check_tensor(x, name, dtypes, dim, device, device_of="the first tensor argument")

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..decode.portable import e4m3_decode_exact
 from ..runtime import cuda_num_sms, interpreting, require_runnable
 from ..serving.store import _e4m3_rtne_bits, ceil_log2_div448
 from .checks import index_cache_geometry
@@ -92,27 +93,26 @@ def _e4m3_operand(ptrs, mask, FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr):
     if FP8_DOT:
         return tl.load(ptrs.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0)
     else:
-        b = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-        h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16)
-        x = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-        x = tl.where((b & 0x7F) == 0x7F, float("nan"), x)
-        return x.to(DOT_DTYPE)
+        return e4m3_decode_exact(tl.load(ptrs, mask=mask, other=0)).to(DOT_DTYPE)
 
 
 @triton.jit
-def _head_sum(s, sc, w, BLOCK_N: tl.constexpr, P: tl.constexpr, H_P2: tl.constexpr):
+def _head_sum(s, sc, w, hv, BLOCK_N: tl.constexpr, P: tl.constexpr, H_P2: tl.constexpr, HEAD_PAD: tl.constexpr):
     """``s [BLOCK_N, P * H_P2]`` key-by-row scores, ``sc [BLOCK_N]`` key scales, ``w [P * H_P2]``
     row weights -> ``[BLOCK_N, P]``: ``Σ_h w[p, h] · relu(s[j, (p, h)] · sc[j])`` (NaN propagates,
-    as in the twin)."""
+    as in the twin). ``HEAD_PAD`` (H < H_P2): the rows past H (``hv`` false) add nothing (their
+    zero queries times an inf key scale would add NaN)."""
     t = tl.maximum(s * sc[:, None], 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
+    if HEAD_PAD:
+        t = tl.where(hv[None, :], t, 0.0)
     return tl.sum(tl.reshape(t, [BLOCK_N, P, H_P2]), axis=2)
 
 
 @triton.jit
 def _mqa_tile(
-    t, q_t, w, ks, ke, rows, rmask, kv_ptr, stride_kv, scale_ptr, out_ptr, stride_os, s_kv,
+    t, q_t, w, hv, ks, ke, rows, rmask, kv_ptr, stride_kv, scale_ptr, out_ptr, stride_os, s_kv,
     D: tl.constexpr, BQ: tl.constexpr, H_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):  # fmt: skip
     """Key tile ``t`` against the program's ``BQ`` query tokens: logits (or -inf) stored."""
     cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,7 +121,7 @@ def _mqa_tile(
     k = _e4m3_operand(kv_ptr + cols.to(tl.int64)[:, None] * stride_kv + dd[None, :], cmask[:, None], FP8_DOT, DOT_DTYPE)
     sc = tl.load(scale_ptr + cols, mask=cmask, other=0.0)
     s = tl.dot(k, q_t, input_precision=DOT_PREC)
-    lg = _head_sum(s, sc, w, BLOCK_N, BQ, H_P2)
+    lg = _head_sum(s, sc, w, hv, BLOCK_N, BQ, H_P2, HEAD_PAD)
     inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :]) & cmask[:, None]
     lg = tl.where(inside, lg, float("-inf"))
     optr = out_ptr + rows.to(tl.int64)[None, :] * stride_os + cols[:, None]
@@ -143,7 +143,7 @@ def _mqa_logits_kernel(
     out_ptr, stride_os, s_q, s_kv, H, tiles_per_prog,
     D: tl.constexpr, BQ: tl.constexpr, H_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
+    FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(ceil(s_q / BQ), splits)``: ``BQ`` query tokens (``BQ * H_P2`` dot rows, loaded once)
     against key tiles ``[pid1 * tiles_per_prog, ...)``, BLOCK_N keys a step; tiles outside every
@@ -174,8 +174,8 @@ def _mqa_logits_kernel(
         for t in tl.range(t_lo, c_lo):
             _fill_tile(t, out_rows, rmask, s_kv, BQ, BLOCK_N)
         for t in tl.range(c_lo, c_hi, num_stages=NUM_STAGES):
-            _mqa_tile(t, q_t, w, ks, ke, rows, rmask, kv_ptr, stride_kv, scale_ptr, out_ptr, stride_os, s_kv,
-                      D, BQ, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE, DOT_PREC)  # fmt: skip
+            _mqa_tile(t, q_t, w, qm1, ks, ke, rows, rmask, kv_ptr, stride_kv, scale_ptr, out_ptr, stride_os, s_kv,
+                      D, BQ, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE, DOT_PREC, HEAD_PAD)  # fmt: skip
         for t in tl.range(c_hi, t_hi):
             _fill_tile(t, out_rows, rmask, s_kv, BQ, BLOCK_N)
     else:  # the interpreter: range() cannot take loaded bounds (NumPy >= 2.4)
@@ -184,8 +184,8 @@ def _mqa_logits_kernel(
             _fill_tile(t, out_rows, rmask, s_kv, BQ, BLOCK_N)
             t += 1
         while t < c_hi:
-            _mqa_tile(t, q_t, w, ks, ke, rows, rmask, kv_ptr, stride_kv, scale_ptr, out_ptr, stride_os, s_kv,
-                      D, BQ, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE, DOT_PREC)  # fmt: skip
+            _mqa_tile(t, q_t, w, qm1, ks, ke, rows, rmask, kv_ptr, stride_kv, scale_ptr, out_ptr, stride_os, s_kv,
+                      D, BQ, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE, DOT_PREC, HEAD_PAD)  # fmt: skip
             t += 1
         while t < t_hi:
             _fill_tile(t, out_rows, rmask, s_kv, BQ, BLOCK_N)
@@ -194,9 +194,9 @@ def _mqa_logits_kernel(
 
 @triton.jit
 def _paged_tile(
-    t, ctx, q_t, w, pp, bt_row, max_blocks, cache_ptr, stride_blk, bs, nb, out_rows, row_mask, max_ctx, next_n,
+    t, ctx, q_t, w, hv, pp, bt_row, max_blocks, cache_ptr, stride_blk, bs, nb, out_rows, row_mask, max_ctx, next_n,
     D: tl.constexpr, P: tl.constexpr, H_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):  # fmt: skip
     """Keys ``[t * BLOCK_N, (t + 1) * BLOCK_N)`` of one request (through its block-table row
     ``bt_row``) against its ``P`` query positions ``pp``: logits (or -inf) stored."""
@@ -211,7 +211,7 @@ def _paged_tile(
     k = _e4m3_operand(cache_ptr + base[:, None] + off[:, None] * D + dd[None, :], okk[:, None], FP8_DOT, DOT_DTYPE)
     sc = tl.load((cache_ptr + base + bs * D + off * 4).to(tl.pointer_type(tl.float32)), mask=okk, other=0.0)
     s = tl.dot(k, q_t, input_precision=DOT_PREC)
-    lg = _head_sum(s, sc, w, BLOCK_N, P, H_P2)
+    lg = _head_sum(s, sc, w, hv, BLOCK_N, P, H_P2, HEAD_PAD)
     visible = okk[:, None] & (cols[:, None] <= ctx - next_n + pp[None, :])
     lg = tl.where(visible, lg, float("-inf"))
     tl.store(out_rows[None, :] + cols[:, None], lg, mask=row_mask[None, :] & (cols[:, None] < max_ctx))
@@ -223,7 +223,7 @@ def _paged_mqa_logits_kernel(
     ctx_ptr, bt_ptr, stride_btb, max_blocks, out_ptr, stride_or, max_ctx, next_n, H, tiles_per_prog,
     D: tl.constexpr, P: tl.constexpr, H_P2: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr,
+    FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(b, chunks, ceil(next_n / P))``: request ``pid0``'s query positions ``[pid2 * P, ...)``
     (``P * H_P2`` dot rows, loaded once) against its key tiles ``[pid1 * tiles_per_prog, ...)``,
@@ -252,15 +252,15 @@ def _paged_mqa_logits_kernel(
     t_mid = tl.maximum(tl.minimum(t_hi, tl.cdiv(ctx.to(tl.int64), BLOCK_N)), t_lo)  # int64: ctx near 2^31
     if FOR_LOOP:
         for t in tl.range(t_lo, t_mid, num_stages=NUM_STAGES):
-            _paged_tile(t, ctx, q_t, w, pp, bt_row, max_blocks, cache_ptr, stride_blk, bs, nb, out_rows, row_mask,
-                        max_ctx, next_n, D, P, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE, DOT_PREC)  # fmt: skip
+            _paged_tile(t, ctx, q_t, w, qm1, pp, bt_row, max_blocks, cache_ptr, stride_blk, bs, nb, out_rows, row_mask,
+                        max_ctx, next_n, D, P, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE, DOT_PREC, HEAD_PAD)  # fmt: skip
         for t in tl.range(t_mid, t_hi):
             _fill_tile(t, out_rows, row_mask, max_ctx, P, BLOCK_N)
     else:  # the interpreter: range() cannot take loaded bounds (NumPy >= 2.4)
         t = t_lo
         while t < t_mid:
-            _paged_tile(t, ctx, q_t, w, pp, bt_row, max_blocks, cache_ptr, stride_blk, bs, nb, out_rows, row_mask,
-                        max_ctx, next_n, D, P, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE, DOT_PREC)  # fmt: skip
+            _paged_tile(t, ctx, q_t, w, qm1, pp, bt_row, max_blocks, cache_ptr, stride_blk, bs, nb, out_rows, row_mask,
+                        max_ctx, next_n, D, P, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE, DOT_PREC, HEAD_PAD)  # fmt: skip
             t += 1
         while t < t_hi:
             _fill_tile(t, out_rows, row_mask, max_ctx, P, BLOCK_N)
@@ -326,7 +326,7 @@ def _num_sms(device: torch.device, num_sms: int | None) -> int:
 
 def launch_mqa_logits(q, kv, kv_scale, weights, ks, ke, out, num_sms=None, config=None) -> None:
     """``q [s_q, H, D]`` and ``kv [s_kv, D]`` as uint8 (e4m3 bytes); ``out [s_q, s_kv]`` fp32."""
-    require_runnable(_mqa_logits_kernel, q.device, _e4m3_operand, _head_sum, _mqa_tile, _fill_tile)
+    require_runnable(_mqa_logits_kernel, q.device, _e4m3_operand, e4m3_decode_exact, _head_sum, _mqa_tile, _fill_tile)
     cfg = {**PREFILL_CONFIG, **(config or {})}
     s_q, h, d = q.shape
     s_kv = kv.shape[0]
@@ -337,7 +337,7 @@ def launch_mqa_logits(q, kv, kv_scale, weights, ks, ke, out, num_sms=None, confi
     _mqa_logits_kernel[(n_qb, splits)](
         q, q.stride(0), q.stride(1), kv, kv.stride(0), kv_scale, weights, weights.stride(0), weights.stride(1),
         ks, ke, out, out.stride(0), s_q, s_kv, h, per,
-        D=d, BQ=bq, H_P2=h_p2, BLOCK_N=block_n, **_dot_meta(q.device, cfg["fp8_dot"], d),
+        D=d, BQ=bq, H_P2=h_p2, BLOCK_N=block_n, **_dot_meta(q.device, cfg["fp8_dot"], d), HEAD_PAD=h < h_p2,
         NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
     )  # fmt: skip
 
@@ -347,7 +347,9 @@ def launch_paged_mqa_logits(
 ) -> None:
     """``q [b, next_n, H, D]`` uint8 (e4m3 bytes); ``out [b * next_n, max_context_len]`` fp32;
     ``num_sms`` sizes the grid (default: the device's)."""
-    require_runnable(_paged_mqa_logits_kernel, q.device, _e4m3_operand, _head_sum, _paged_tile, _fill_tile)
+    require_runnable(
+        _paged_mqa_logits_kernel, q.device, _e4m3_operand, e4m3_decode_exact, _head_sum, _paged_tile, _fill_tile
+    )
     cfg = {**PAGED_CONFIG, **(config or {})}
     b, next_n, h, d = q.shape
     nb, bs, _, stride_blk = index_cache_geometry(kv_cache)
@@ -365,7 +367,7 @@ def launch_paged_mqa_logits(
         q, q.stride(0), q.stride(1), q.stride(2), kv_cache, stride_blk, bs, nb, weights, weights.stride(0),
         weights.stride(1), context_lens, block_table, block_table.stride(0), block_table.shape[1], out,
         out.stride(0), max_context_len, next_n, h, per,
-        D=d, P=p, H_P2=h_p2, BLOCK_N=block_n, **meta,
+        D=d, P=p, H_P2=h_p2, BLOCK_N=block_n, **meta, HEAD_PAD=h < h_p2,
         NUM_STAGES=cfg["num_stages"], num_warps=warps,
     )  # fmt: skip
 

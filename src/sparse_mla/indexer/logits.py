@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..runtime import on_tensor_device, use_triton
-from .checks import HEAD_DIMS, check_index_cache, check_tensor_arg
+from .checks import HEAD_DIMS, INT32_MAX, check_index_cache, check_tensor_arg
 from .reference import fp8_mqa_logits_reference, fp8_paged_mqa_logits_reference
 
 __all__ = ["fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "MAX_HEADS"]
@@ -165,8 +165,12 @@ def fp8_paged_mqa_logits(
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device.
     """
-    if isinstance(max_context_len, bool) or not isinstance(max_context_len, numbers.Integral) or max_context_len < 0:
-        raise ValueError(f"max_context_len: expected an int >= 0, got {max_context_len!r}")
+    if (
+        isinstance(max_context_len, bool)
+        or not isinstance(max_context_len, numbers.Integral)
+        or not 0 <= max_context_len <= INT32_MAX
+    ):
+        raise ValueError(f"max_context_len: expected an int in [0, 2^31 - 1] (key positions), got {max_context_len!r}")
     _check_bool(clean_logits, "clean_logits")
     max_context_len = int(max_context_len)
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)

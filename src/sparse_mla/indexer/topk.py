@@ -22,7 +22,7 @@ import torch
 
 from ..runtime import on_tensor_device, use_triton
 from ..serving.reference import abs_indices_to_kvcache_indices
-from .checks import check_tensor_arg
+from .checks import INT32_MAX, check_tensor_arg
 
 __all__ = ["topk_indices", "topk_kvcache_indices", "rank_keys"]
 
@@ -71,8 +71,8 @@ def topk_indices(
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape or device.
     """
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-        raise ValueError(f"k: expected an int >= 1, got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= INT32_MAX:
+        raise ValueError(f"k: expected an int in [1, 2^31 - 1] (int32 positions), got {k!r}")
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
         return torch.ops.sparse_mla.topk_indices(logits, int(k), row_starts, row_ends)
     check_tensor_arg(logits, "logits", (torch.float32, torch.float16, torch.bfloat16), 2)

@@ -75,8 +75,8 @@ def check_abs_index_args(abs_indices: torch.Tensor, block_table: torch.Tensor, p
         raise TypeError("abs_indices: expected an int32 tensor [b, s_q, topk]")
     if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
         raise TypeError("block_table: expected an int32 tensor [b, max_blocks_per_seq]")
-    if isinstance(page_block_size, bool) or not isinstance(page_block_size, int) or page_block_size <= 0:
-        raise ValueError(f"page_block_size: expected a positive int, got {page_block_size!r}")
+    if isinstance(page_block_size, bool) or not isinstance(page_block_size, int) or not 0 < page_block_size < 2**31:
+        raise ValueError(f"page_block_size: expected an int in [1, 2^31 - 1], got {page_block_size!r}")
     if abs_indices.dim() != 3:
         raise ValueError(f"abs_indices: expected shape [b, s_q, topk], got {list(abs_indices.shape)}")
     if block_table.dim() != 2 or block_table.shape[0] != abs_indices.shape[0]:
