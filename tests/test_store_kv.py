@@ -16,7 +16,7 @@ import pytest
 import torch
 from cache_bytes import expected_after_store, quantized_token_bytes, storage_bytes, to_device
 
-from sparse_mla import get_layout, quantize_and_store_kv, quantize_k_cache
+from sparse_mla import dequantize_k_cache, get_layout, quantize_and_store_kv, quantize_k_cache
 from sparse_mla.reference import quantize_and_store_kv_reference
 from sparse_mla.serving.store import launch as launch_store_kernel
 
@@ -286,3 +286,31 @@ def test_store_then_dequantize_round_trip():
     from sparse_mla import dequantize_k_cache
 
     assert torch.equal(dequantize_k_cache(kc, "MODEL1").cpu(), dequantize_k_cache(full, "MODEL1"))
+
+
+@pytest.mark.parametrize("layout", ["V32", "MODEL1"])
+def test_non_finite_values_are_stored_as_nan_bytes(layout):
+    # NaN, +inf and -inf in the latent vector: the NaN byte 0x7F at that value, the rest of the tile
+    # scaled by its finite values (the fused store byte-identical to quantize_k_cache); an attended
+    # token holding one gives NaN, never a finite wrong value (+-inf used to be clamped to 448)
+    lay = get_layout(layout)
+    kv = random_tokens(6, lay.d_qk, 77)
+    kv[0, 3] = float("inf")
+    kv[1, lay.tile + 5] = float("-inf")
+    kv[2, 0] = float("nan")
+    kv[3, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 2.0])
+    kv = kv.to(DEV)
+    slots = torch.tensor([5, 0, 7, 2, 3, 6], dtype=torch.int64, device=DEV)
+    kc = random_cache(layout, 2, 4, torch.uint8, 13)
+    want = expected_after_store(kc, kv, slots)
+    quantize_and_store_kv(kv, slots, kc)
+    assert torch.equal(sb(kc), want)
+    tb = quantized_token_bytes(kv)
+    assert tb[0, 3] == 0x7F and tb[1, lay.tile + 5] == 0x7F and tb[2, 0] == 0x7F and tb[3, :3].tolist() == [0x7F] * 3
+    deq = dequantize_k_cache(quantize_k_cache(kv.view(-1, 1, 1, lay.d_qk).cpu(), layout), layout).view(6, lay.d_qk)
+    assert torch.isnan(deq[0, 3]) and torch.isnan(deq[1, lay.tile + 5]) and torch.isnan(deq[3, :3]).all()
+    assert deq[3, 3] == 2.0  # the tile's scale comes from its finite values
+    others = torch.ones_like(deq, dtype=torch.bool)
+    others[0, 3] = others[1, lay.tile + 5] = others[2, 0] = False
+    others[3, :3] = False
+    assert torch.isfinite(deq[others]).all()

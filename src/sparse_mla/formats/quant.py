@@ -1,7 +1,8 @@
 """Quantise and dequantise the FP8 caches (pure PyTorch, CPU or CUDA; step 4 in docs/design.md).
 
 Scales are UE8M0 (powers of two): ``scale = 2^ceil(log2(max(amax / 448, 1e-4)))`` and the stored
-value is ``x / scale`` rounded to e4m3, so dequantisation (``fp8 * scale``) is exact.
+value is ``x / scale`` rounded to e4m3, so dequantisation (``fp8 * scale``) is exact. A NaN or
+±inf value is stored as the NaN byte 0x7F; ``amax`` is over the tile's finite values.
 """
 
 from __future__ import annotations
@@ -48,8 +49,12 @@ def _check_cache_input(k: torch.Tensor, lay: KVCacheLayout) -> None:
 def _quantize_nope(nope: torch.Tensor, lay: KVCacheLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """nope [N, d_nope] float32 -> (fp8 bytes [N, d_nope] uint8, scales [N, num_tiles] float32)."""
     tiles = nope.view(nope.shape[0], lay.num_tiles, lay.tile)
-    scale = ue8m0_scale(tiles.abs().amax(dim=-1))
+    # a NaN or +-inf value is stored as the e4m3 NaN byte 0x7F (so a token holding one gives NaN
+    # scores wherever it is attended, never a finite wrong value); the scale is its tile's finite values'
+    finite = torch.isfinite(tiles)
+    scale = ue8m0_scale(torch.where(finite, tiles.abs(), 0.0).amax(dim=-1))
     q = torch.clamp(tiles / scale.unsqueeze(-1), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    q = torch.where(finite, q, float("nan"))
     return q.to(torch.float8_e4m3fn).view(torch.uint8).reshape(nope.shape[0], lay.d_nope), scale
 
 

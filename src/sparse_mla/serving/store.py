@@ -124,13 +124,15 @@ def _quantize_store_kernel(
     m3 = valid[:, None, None] & tmask[None, :, None]
     x = tl.load(row[:, None, None] + d[None, :, :], mask=m3, other=0.0).to(tl.float32)
 
-    # exact UE8M0 exponent k = ceil(log2(max(amax / 448, 1e-4)))
-    amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_T, TILES_P2]
+    # exact UE8M0 exponent k = ceil(log2(max(amax / 448, 1e-4))), amax over the finite values (a NaN
+    # or +-inf value is stored as the NaN byte 0x7F, as the twin does)
+    finite = tl.abs(x) < float("inf")  # False for NaN too
+    amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=2)  # [BLOCK_T, TILES_P2]
     k = tl.maximum(ceil_log2_div448(amax), -13)
     inv_scale = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k, exact
     y = x * inv_scale[:, :, None]
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    q8 = _e4m3_rtne_bits(y).to(tl.uint8)
+    q8 = tl.where(finite, _e4m3_rtne_bits(y), 0x7F).to(tl.uint8)
     tl.store(cache_ptr + tok[:, None, None] + d[None, :, :], q8, mask=m3)
 
     if IS_V32:
