@@ -226,19 +226,21 @@ def validate_sparse_decode(
         _check_indices(extra_indices_in_kvcache, "extra_indices_in_kvcache", b, s_q, dev)
         extra_topk_length = _check_vector(extra_topk_length, "extra_topk_length", torch.int32, b, "b", dev)
     attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
-    inputs = given
     if out is not None:
         check_tensor(out, "out", (torch.bfloat16,), 4, dev)
         if tuple(out.shape) != (b, s_q, h_q, lay.d_v):
             raise ValueError(f"out: expected shape [b={b}, s_q={s_q}, h_q={h_q}, d_v={lay.d_v}], got {list(out.shape)}")
         if out.stride(-1) != 1 and out.numel() > 0:
             raise ValueError("out: the last dimension must be contiguous (stride 1)")
-        _check_output_buffer(out, "out", inputs)
+        _check_no_self_overlap(out, "out")
     if lse is not None:
         check_tensor(lse, "lse", (torch.float32,), 3, dev)
         if tuple(lse.shape) != (b, h_q, s_q):
             raise ValueError(f"lse: expected shape [b={b}, h_q={h_q}, s_q={s_q}], got {list(lse.shape)}")
-        _check_output_buffer(lse, "lse", (*inputs, out))
+        _check_no_self_overlap(lse, "lse")
+    if out is not None or lse is not None:
+        call = (*given, out, lse)
+        check_outputs_apart(call, relative_byte_ranges(call))
     return DecodeProblem(
         q=q,
         k_cache=k_cache,
@@ -318,8 +320,9 @@ def relative_byte_ranges(tensors) -> tuple:
 
 
 def check_outputs_apart(tensors, rel: tuple) -> None:
-    """The overlap rule of :func:`validate_sparse_decode` for a call whose tensors have the shapes
-    and strides ``rel`` was computed from (:func:`relative_byte_ranges`): ``out`` (index 8) must not
+    """The overlap rule of the caller's output buffers (:func:`validate_sparse_decode`, and a repeated
+    call with the validated call's shapes and strides, from which ``rel`` was computed:
+    :func:`relative_byte_ranges`): ``out`` (index 8) must not
     overlap an input, ``lse`` (index 9) neither an input nor ``out``.
 
     Raises:
@@ -348,10 +351,10 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     return lo, hi + t.element_size() - 1
 
 
-def _check_output_buffer(t: torch.Tensor, name: str, others: tuple) -> None:
+def _check_no_self_overlap(t: torch.Tensor, name: str) -> None:
     """An output buffer must hold each element once (no expanded or otherwise self-overlapping
     strides: checked by the sufficient rule that each stride, in increasing order, exceeds the
-    span of the smaller ones) and must not share bytes with the inputs or another output."""
+    span of the smaller ones). Overlap with the inputs: :func:`check_outputs_apart`."""
     if t.numel() == 0:
         return
     span = 0
@@ -361,10 +364,3 @@ def _check_output_buffer(t: torch.Tensor, name: str, others: tuple) -> None:
                 f"{name}: its elements overlap in memory (expanded or overlapping strides {tuple(t.stride())})"
             )
         span += (n - 1) * st
-    lo, hi = _byte_range(t)
-    for o in others:
-        if o is None or o.numel() == 0 or o.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
-            continue
-        olo, ohi = _byte_range(o)
-        if lo <= ohi and olo <= hi:
-            raise ValueError(f"{name}: must not overlap an input or another output in memory")
