@@ -9,7 +9,7 @@ import triton.language as tl
 
 from ..decode.portable import e4m3_decode_exact
 from ..runtime import cuda_num_sms, interpreting, require_runnable
-from ..serving.store import _e4m3_rtne_bits, ceil_log2_div448
+from ..serving.store import _e4m3_rtne_bits, ceil_log2_div448, slot_records
 from .checks import index_cache_geometry
 
 __all__ = ["launch_quant_store", "launch_mqa_logits", "launch_paged_mqa_logits"]
@@ -30,14 +30,7 @@ def _index_quant_store_kernel(
     UE8M0: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_n = toks < n
-    slot = tl.load(slot_ptr + toks.to(tl.int64) * stride_slot, mask=in_n, other=-1).to(tl.int64)
-    valid = in_n & (slot >= 0) & (slot < num_slots)
-    safe = tl.where(valid, slot, 0)
-    blk = safe // bs
-    off = safe - blk * bs
-    base = blk * stride_blk
+    toks, valid, off, base = slot_records(slot_ptr, stride_slot, n, num_slots, bs, stride_blk, BLOCK_T)
     cols = tl.arange(0, D)
     x = tl.load(k_ptr + toks.to(tl.int64)[:, None] * stride_k + cols[None, :], mask=valid[:, None], other=0.0)
     x = x.to(tl.float32)
@@ -63,7 +56,7 @@ def _index_quant_store_kernel(
 def launch_quant_store(
     k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, d: int, ue8m0: bool
 ) -> None:
-    require_runnable(_index_quant_store_kernel, kv_cache.device, _e4m3_rtne_bits, ceil_log2_div448)
+    require_runnable(_index_quant_store_kernel, kv_cache.device, _e4m3_rtne_bits, ceil_log2_div448, slot_records)
     nb, bs, _, stride_blk = index_cache_geometry(kv_cache)
     n = k.shape[0]
     block_t = 16

@@ -49,6 +49,21 @@ __all__ = ["quantize_and_store_kv", "launch"]
 
 
 @triton.jit
+def slot_records(slot_ptr, stride_slot, n, num_slots, pbs, stride_blk, BLOCK_T: tl.constexpr):
+    """This program's ``BLOCK_T`` tokens of a paged-cache write: ``(toks, valid, off, base)`` with
+    ``valid`` false past ``n`` and for a slot outside ``[0, num_slots)`` (-1 included; such a
+    token is never written), ``off`` its row in the page block and ``base`` the block's byte offset
+    (``block * stride_blk``, int64); slot 0's for invalid tokens."""
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_n = toks < n
+    slot = tl.load(slot_ptr + toks.to(tl.int64) * stride_slot, mask=in_n, other=-1).to(tl.int64)
+    valid = in_n & (slot >= 0) & (slot < num_slots)
+    safe = tl.where(valid, slot, 0)
+    blk = safe // pbs
+    return toks, valid, safe - blk * pbs, blk * stride_blk
+
+
+@triton.jit
 def _e4m3_rtne_bits(y):
     """float32 ``y`` with ``|y| <= 448`` -> int32 e4m3fn byte (0..255), round-to-nearest-even."""
     u = y.to(tl.int32, bitcast=True)
@@ -102,15 +117,7 @@ def _quantize_store_kernel(
     SCALE_REC: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    toks = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_n = toks < n
-    slot = tl.load(slot_ptr + toks.to(tl.int64) * stride_slot, mask=in_n, other=-1).to(tl.int64)
-    valid = in_n & (slot >= 0) & (slot < num_slots)
-    safe = tl.where(valid, slot, 0)
-    blk = safe // pbs
-    off = safe - blk * pbs
-    base = blk * stride_blk
+    toks, valid, off, base = slot_records(slot_ptr, stride_slot, n, num_slots, pbs, stride_blk, BLOCK_T)
     if IS_V32:
         tok = base + off * stride_tok
     else:
