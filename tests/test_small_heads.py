@@ -76,7 +76,7 @@ def _schedules(s_q: int, h_q: int, backend: str = "portable") -> dict[str, int]:
     return {"unsplit": s_q * -(-h_q // _tile(h_q, backend)), "split": 132}
 
 
-def run_portable(p, num_sms, backend="portable"):
+def run_backend(p, num_sms, backend="portable"):
     meta, _ = flash_mla.get_mla_metadata(num_sms=num_sms)
     out, lse = flash_mla.flash_mla_with_kvcache(
         p.q, p.k_cache, None, None, 512, meta, is_fp8_kvcache=True, backend=backend, **p.api_kwargs()
@@ -98,7 +98,7 @@ def check_both_schedules(p, tol=FLASHMLA_DECODE) -> list[tuple[torch.Tensor, tor
     for backend, (sched, num_sms) in (
         (be, item) for be in BACKENDS_UNDER_TEST for item in _schedules(s_q, h_q, be).items()
     ):
-        out, lse, table = run_portable(p, num_sms, backend)
+        out, lse, table = run_backend(p, num_sms, backend)
         assert out.shape == (b, s_q, h_q, 512) and lse.shape == (b, h_q, s_q)
         assert table.any_split == (sched == "split"), f"{sched}: any_split = {table.any_split}"
         try:
@@ -263,7 +263,7 @@ def test_portable_launch_uses_the_tile(h_q, monkeypatch):
     monkeypatch.setattr(portable_mod, "launch_fitting", spy)
     s_q, num_sms = 2, 24
     p = _problem(f"tile-{h_q}", h_q, "V32", s_q, 2, 96, 64, None, 0, None, False)
-    out, lse, table = run_portable(p, num_sms)
+    out, lse, table = run_backend(p, num_sms)
     tile = 16 if h_q <= 16 else 64
     assert table.num_sm_parts == compute_num_sm_parts(num_sms, s_q, h_q, tile)
     assert len(launches) == 1

@@ -80,7 +80,7 @@ def _scores_and_values(q, k_cache, indices, topk_length, extra_k_cache, extra_in
     return s, k[..., :d_v], valid
 
 
-def _poisoned(s: torch.Tensor) -> torch.Tensor:
+def poisoned_rows(s: torch.Tensor) -> torch.Tensor:
     """Rows ``[..., h]`` with a NaN or ``+inf`` score on a valid key: their out and lse are NaN
     (the online softmax of the kernels gives NaN there: ``inf - inf``); ``-inf`` scores just
     get weight 0."""
@@ -142,7 +142,7 @@ def sparse_decode_reference(
     s, v, _ = _scores_and_values(q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length, d_v)
     s = s * sm_scale
     lse = torch.logsumexp(s, dim=-1)  # [b, s_q, h]; -inf when nothing is valid
-    lse = torch.where(_poisoned(s), torch.full_like(lse, float("nan")), lse)
+    lse = torch.where(poisoned_rows(s), torch.full_like(lse, float("nan")), lse)
     lonely = torch.isneginf(lse)
     out = torch.einsum("bsht,bstd->bshd", softmax_weights(s), v)
     lse = torch.where(lonely, torch.full_like(lse, float("inf")), lse)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..decode.reference import gather_kv, softmax_weights
+from ..decode.reference import gather_kv, poisoned_rows, softmax_weights
 
 __all__ = ["gather_prefill_keys", "sparse_prefill_reference"]
 
@@ -69,8 +69,7 @@ def sparse_prefill_reference(
     s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
     max_logits = s.amax(dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    poisoned = (torch.isnan(s) | torch.isposinf(s)).any(dim=-1)
-    lse = torch.where(poisoned, torch.full_like(lse, float("nan")), lse)
+    lse = torch.where(poisoned_rows(s), torch.full_like(lse, float("nan")), lse)
     lonely = torch.isneginf(lse)
     out = torch.einsum("sht,std->shd", softmax_weights(s), k[..., :d_v])
     lse = torch.where(lonely, torch.full_like(lse, float("inf")), lse)

@@ -393,8 +393,8 @@ def decode(
     if fp is None:
         tile_scheduler_metadata.call_cache = None
         return _launch_planned(p, plan)
-    # kept without the call's tensors (the object must not keep them alive); the launch replay
-    # (made by the first launch) in the last place
+    # kept without the call's tensors (the object must not keep them alive); the launch replay (made
+    # by the first launch) in the fourth place, the byte ranges for the out/lse overlap rule last
     stripped = dataclasses.replace(p, **dict.fromkeys(fields))
     spans = relative_byte_ranges(fields.values()) if out is not None or lse is not None else None
     tile_scheduler_metadata.call_cache = (fp, scalars, stripped, None, spans)
