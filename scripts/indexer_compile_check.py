@@ -43,13 +43,15 @@ PTRS = {
     "lo_ptr": "*i64",
     "hi_ptr": "*i64",
     "dst_ptr": "*i64",
+    "scr_ptr": "*i64",
 }
 UNIT = {"stride_wh", "stride_qh"}  # may be 1 at run time; keep them plain i32
 
 
-def compile_one(kern, consts: dict, num_warps: int, arch: int):
+def compile_one(kern, consts: dict, num_warps: int, arch: int, ptrs: dict | None = None):
     names = list(inspect.signature(kern.fn).parameters)
-    sig = {n: PTRS.get(n, "constexpr" if n in consts else "i32") for n in names}
+    types = {**PTRS, **(ptrs or {})}
+    sig = {n: types.get(n, "constexpr" if n in consts else "i32") for n in names}
     div16 = [n for n in names if n in PTRS or ((n.startswith("stride") or n in ("bs",)) and n not in UNIT)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
@@ -70,7 +72,10 @@ def cases(arch: int):
     consts = dict(D=128, BQ=bq, H_P2=h_p2, BLOCK_N=fc["block_n"], NUM_STAGES=fc["num_stages"], **dot)
     yield "prefill H=64 D=128", K._mqa_logits_kernel, consts, fc["num_warps"]
     tc = K.TOPK_CONFIG
-    yield "topk select", K._topk_select_kernel, dict(BLOCK=tc["block"], FOR_LOOP=True), tc["num_warps"]
+    topk = dict(BLOCK=tc["block"], BITS=tc["bits"], K_P2=2048, SLOTS=False, FOR_LOOP=True)
+    yield "topk k=2048", K._topk_kernel, topk, tc["num_warps"]
+    yield "topk k=2048 8-bit digits", K._topk_kernel, {**topk, "BITS": 8}, tc["num_warps"]
+    yield "topk slots k=2048", K._topk_kernel, {**topk, "SLOTS": True}, tc["num_warps"]
 
 
 def main() -> int:
@@ -86,7 +91,8 @@ def main() -> int:
     for name, kern, consts, warps in cases(a.arch):
         tag = re.sub(r"[^a-z0-9]+", "_", name.lower())
         try:
-            k = compile_one(kern, consts, warps, a.arch)
+            ptrs = {"out_ptr": "*i32"} if kern is K._topk_kernel else None
+            k = compile_one(kern, consts, warps, a.arch, ptrs)
         except Exception as e:  # noqa: BLE001 (report and go on)
             print(f"{name}: COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
             ok = False

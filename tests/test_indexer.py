@@ -18,6 +18,7 @@ from sparse_mla.indexer.reference import (
     topk_indices_reference,
 )
 from sparse_mla.reference import sparse_decode_reference
+from sparse_mla.serving.reference import abs_indices_to_kvcache_indices
 from sparse_mla.testing import abs_e4m3, abs_index_cache, indexer_logits_closeness
 
 ON_GPU = torch.cuda.is_available()
@@ -351,11 +352,9 @@ def test_topk_matches_twin_and_tie_rule(k):
         assert got[5, :3].tolist() == sorted(range(3), key=lambda j: (-float(x[5, j]), j))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, k", [(1, 1), (257, 16), (5000, 300), (700, 700), (900, 2048)])
-def test_topk_random_rows_with_ties_match_twin(n, k, dtype):
-    # the select kernel's radix passes and chunked compaction (several chunks at n=5000) on rows
-    # with many exact ties at the k-th value, +-inf, NaN, +-0, ranges clipped, empty and short
+def _tied_rows(n: int, k: int, dtype: torch.dtype = torch.float32):
+    """7 rows with many exact ties at the k-th value, +-inf, NaN, +-0; ranges clipped, one empty,
+    one the whole row."""
     g = torch.Generator().manual_seed(n + k)
     rows = 7
     x = (torch.randn(rows, n, generator=g) * 4).round() / 4  # few distinct values: ties everywhere
@@ -369,10 +368,69 @@ def test_topk_random_rows_with_ties_match_twin(n, k, dtype):
     hi = lo + torch.randint(0, n + 10, (rows,), generator=g)
     lo[5], hi[5] = n // 2, n // 2  # empty
     lo[6], hi[6] = 0, n  # whole row
+    return x, lo, hi
+
+
+# (the kernel's in-register sort of k keys is slow in the interpreter: the large-k rows run once)
+@pytest.mark.parametrize(
+    "n, k, dtype",
+    [(n, k, dt) for n, k in [(1, 1), (257, 16), (5000, 300)] for dt in (torch.float32, torch.bfloat16)]
+    + [(700, 700, torch.float32), (900, 2048, torch.bfloat16)],
+)
+def test_topk_random_rows_with_ties_match_twin(n, k, dtype):
+    # the radix passes, the compaction and the sort on tied rows; k > n; the default (whole) ranges
+    x, lo, hi = _tied_rows(n, k, dtype)
     got = flash_mla.topk_indices(x.to(DEVICE), k, lo.to(DEVICE), hi.to(DEVICE))
     want = topk_indices_reference(x.float(), k, lo, hi)
     assert torch.equal(got.cpu(), want.cpu())
-    assert torch.equal(flash_mla.topk_indices(x.to(DEVICE), k).cpu(), topk_indices_reference(x.float(), k).cpu())
+    xs = x if k <= 300 else x[:2]
+    assert torch.equal(flash_mla.topk_indices(xs.to(DEVICE), k).cpu(), topk_indices_reference(xs.float(), k).cpu())
+
+
+@pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("n, k, bits, block", [(5000, 300, 8, 1024), (3000, 64, 4, 256), (700, 40, 2, 512)])
+def test_topk_kernel_configs_match_twin(n, k, bits, block):
+    # other digit widths than the default (8-bit digits: 4 passes of 256 bins; 2-bit: 16 passes)
+    # and steps of BLOCK entries that straddle lo and hi
+    from sparse_mla.indexer.kernels import launch_topk
+
+    x, lo, hi = _tied_rows(n, k)
+    x, lo, hi = x.to(DEVICE), lo.to(DEVICE).clamp(0, n), hi.to(DEVICE).clamp(0, n)
+    hi = torch.maximum(hi, lo)
+    out = torch.empty(x.shape[0], k, dtype=torch.int32, device=DEVICE)
+    launch_topk(x, lo, hi, out, k, k, config={"bits": bits, "block": block})
+    assert torch.equal(out.cpu(), topk_indices_reference(x.cpu(), k, lo.cpu(), hi.cpu()))
+
+
+@pytest.mark.parametrize("pbs, next_n, k", [(1, 1, 7), (3, 2, 16), (64, 3, 40)])
+def test_topk_kvcache_indices_match_twin_at_the_table_edges(pbs, next_n, k):
+    # the fused slot map against topk + abs_indices_to_kvcache_indices: positions past the block
+    # table, negative (unmapped) blocks, a slot past int32, rows with fewer than k candidates
+    g = torch.Generator().manual_seed(pbs * 100 + k)
+    b, n = 3, 200
+    logits = torch.randn(b * next_n, n, generator=g)
+    logits[0, 5] = float("nan")
+    nlog = max(n // pbs - 2, 1)  # the last positions of a row have no table entry
+    table = torch.randint(0, 50, (b, nlog), generator=g, dtype=torch.int32)
+    table[0, ::3] = -1
+    table[1, 0] = (2**31 - 1) // pbs  # its last slots are past int32 (pbs > 1)
+    ends = torch.randint(0, n + 1, (b * next_n,), generator=g)
+    ends[0] = 3  # fewer candidates than k
+    logits[next_n, :pbs] = 10.0  # request 1's first query picks the positions of table[1, 0]
+    ends[next_n] = n
+    got = flash_mla.topk_kvcache_indices(logits.to(DEVICE), k, table.to(DEVICE), pbs, next_n, row_ends=ends.to(DEVICE))
+    pos = topk_indices_reference(logits, k, None, ends).view(b, next_n, k)
+    want = abs_indices_to_kvcache_indices(pos, table, pbs)
+    assert got.shape == (b, next_n, k) and got.dtype == torch.int32
+    assert torch.equal(got.cpu(), want)
+    assert (want == -1).any() and (want >= 0).any()
+    # the table as a strided view (every other column of a wider one)
+    wide = torch.zeros(b, 2 * nlog, dtype=torch.int32)
+    wide[:, ::2] = table
+    got_view = flash_mla.topk_kvcache_indices(
+        logits.to(DEVICE), k, wide.to(DEVICE)[:, ::2], pbs, next_n, row_ends=ends.to(DEVICE)
+    )
+    assert torch.equal(got_view.cpu(), want)
 
 
 def test_topk_kvcache_indices_are_decode_indices():

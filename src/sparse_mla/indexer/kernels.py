@@ -12,7 +12,7 @@ from ..runtime import cuda_num_sms, interpreting, require_runnable
 from ..serving.store import _e4m3_rtne_bits, ceil_log2_div448, slot_records
 from .checks import index_cache_geometry
 
-__all__ = ["launch_quant_store", "launch_mqa_logits", "launch_paged_mqa_logits"]
+__all__ = ["launch_quant_store", "launch_mqa_logits", "launch_paged_mqa_logits", "launch_topk"]
 
 
 @triton.jit
@@ -242,7 +242,10 @@ def _paged_mqa_logits_kernel(
     n_tiles = tl.cdiv(max_ctx, BLOCK_N)
     t_lo = tl.program_id(1) * tiles_per_prog
     t_hi = tl.minimum(t_lo + tiles_per_prog, n_tiles)
-    t_mid = tl.maximum(tl.minimum(t_hi, tl.cdiv(ctx.to(tl.int64), BLOCK_N)), t_lo)  # int64: ctx near 2^31
+    # ceil(ctx / BLOCK_N) without ctx + BLOCK_N - 1 (overflows int32 near 2^31); int32 keeps the loop
+    # counter 32-bit (an int64 bound cost 28 registers and made every tile index int64)
+    ctx_tiles = ctx // BLOCK_N + (ctx % BLOCK_N != 0).to(tl.int32)
+    t_mid = tl.maximum(tl.minimum(t_hi, ctx_tiles), t_lo)
     if FOR_LOOP:
         for t in tl.range(t_lo, t_mid, num_stages=NUM_STAGES):
             _paged_tile(t, ctx, q_t, w, qm1, pp, bt_row, max_blocks, cache_ptr, stride_blk, bs, nb, out_rows, row_mask,
@@ -367,11 +370,16 @@ def launch_paged_mqa_logits(
 
 # ------------------------------------------------------------------------------------------ top-k
 #
-# One program per row: the k-th best key of the row's [lo, hi) by a radix select (four passes of
-# 8-bit histograms over the order-preserving 32-bit key of each logit), then one pass that writes
-# every entry above it and the lowest-position entries equal to it (as many as still needed) as
-# int64 rank keys ``key32 << 32 | (2^32 - 1 - position)`` into the row's k slots; the caller sorts
-# those k keys (descending) to rank order. Same rank keys as :func:`.topk.rank_keys`.
+# One program per row. The k-th best key of the row's [lo, hi) by a radix select over the
+# order-preserving 32-bit key of each logit, BITS bits a pass (32 / BITS passes, each a histogram
+# of one digit among the keys that match the digits found so far, read again from memory: L2 for
+# the rows of one call); then one pass that writes every entry above it and the lowest-position
+# entries equal to it (as many as still needed) as int64 rank keys ``key32 << 32 | (2^32 - 1 -
+# position)`` into the row's k scratch slots (same rank keys as :func:`.topk.rank_keys`); then the
+# program sorts those k keys (descending: rank order) and writes the positions, ``-1`` past the
+# row's candidates, or (``SLOTS``) the cache slots they map to through the block table.
+# ``tl.histogram`` costs about log2(bins) warp ballots plus, per bin a lane owns, log2(bins) mask
+# operations per entry: 4-bit digits (16 bins) take a quarter of the work of 8-bit ones (256).
 
 
 @triton.jit
@@ -395,37 +403,50 @@ def _row_chunk(row_ptr, start, lo, hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _hist_chunk(hist, row_ptr, start, lo, hi, prefix, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    _pos, valid, _key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
-    if SHIFT < 24:
-        valid = valid & ((ukey >> (SHIFT + 8)) == prefix)
-    digit = ((ukey >> SHIFT) & 0xFF).to(tl.int32)
-    return hist + tl.histogram(digit, 256, mask=valid)
+def _digit_hist(hist, valid, ukey, prefix, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """``hist`` plus the ``2^BITS``-bin histogram of the digit at ``SHIFT`` of the valid keys whose
+    bits above ``SHIFT + BITS`` are ``prefix``."""
+    if SHIFT + BITS < 32:
+        valid = valid & ((ukey >> (SHIFT + BITS)) == prefix)
+    digit = ((ukey >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)
+    return hist + tl.histogram(digit, 1 << BITS, mask=valid)
 
 
 @triton.jit
-def _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, SHIFT: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr):
-    """One digit of the select: among keys whose bits above ``SHIFT + 8`` are ``prefix``, the
-    digit ``d`` holding the ``rem``-th largest; returns ``(prefix << 8 | d, rem - count above d)``."""
-    hist = tl.zeros([256], tl.int32)
+def _pick_digit(hist, prefix, rem, BITS: tl.constexpr):
+    """The digit ``d`` holding the ``rem``-th largest key of ``hist``: ``(prefix << BITS | d, rem -
+    count above d)``."""
+    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # count with digit >= d
+    d = tl.sum((at_or_above >= rem).to(tl.int32), axis=0) - 1
+    bins = tl.arange(0, 1 << BITS)
+    above = tl.sum(tl.where(bins > d, hist, 0), axis=0)
+    return (prefix << BITS) | d.to(tl.uint32), rem - above
+
+
+@triton.jit
+def _radix_pass(
+    row_ptr, lo, hi, c_lo, prefix, rem, SHIFT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    FOR_LOOP: tl.constexpr,
+):  # fmt: skip
+    """One digit of the select over the row in global memory, ``BLOCK`` entries a step."""
+    hist = tl.zeros([1 << BITS], tl.int32)
     if FOR_LOOP:
         for start in tl.range(c_lo, hi, BLOCK, num_stages=2):
-            hist = _hist_chunk(hist, row_ptr, start, lo, hi, prefix, SHIFT, BLOCK)
+            _pos, valid, _key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+            hist = _digit_hist(hist, valid, ukey, prefix, SHIFT, BITS)
     else:
         start = c_lo
         while start < hi:
-            hist = _hist_chunk(hist, row_ptr, start, lo, hi, prefix, SHIFT, BLOCK)
+            _pos, valid, _key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+            hist = _digit_hist(hist, valid, ukey, prefix, SHIFT, BITS)
             start += BLOCK
-    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # count with digit >= d
-    d = tl.sum((at_or_above >= rem).to(tl.int32), axis=0) - 1
-    bins = tl.arange(0, 256)
-    above = tl.sum(tl.where(bins > d, hist, 0), axis=0)
-    return (prefix << 8) | d.to(tl.uint32), rem - above
+    return _pick_digit(hist, prefix, rem, BITS)
 
 
 @triton.jit
-def _select_chunk(row_ptr, start, lo, hi, kth, need_eq, n_gt, n_eq, dst, BLOCK: tl.constexpr):
-    pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+def _select_keys(pos, valid, key, ukey, kth, need_eq, n_gt, n_eq, dst):
+    """Write the rank keys of the entries above ``kth`` and of the first ``need_eq`` equal to it
+    (``n_eq`` of those already seen) to ``dst`` from slot ``n_gt`` on; returns the new counts."""
     gt = valid & (ukey > kth)
     eq = valid & (ukey == kth)
     eq_i = eq.to(tl.int32)
@@ -439,50 +460,82 @@ def _select_chunk(row_ptr, start, lo, hi, kth, need_eq, n_gt, n_eq, dst, BLOCK: 
 
 
 @triton.jit
-def _topk_select_kernel(
-    x_ptr, stride_xr, lo_ptr, hi_ptr, dst_ptr, stride_dr, n, k,
-    BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr,
+def _topk_kernel(
+    x_ptr, stride_xr, lo_ptr, hi_ptr, scr_ptr, stride_sr, out_ptr, stride_or, n, k,
+    bt_ptr, stride_bt, n_log, pbs, next_n,
+    BLOCK: tl.constexpr, BITS: tl.constexpr, K_P2: tl.constexpr, SLOTS: tl.constexpr, FOR_LOOP: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(rows,)``: row ``r``'s ``min(k, hi - lo)`` best entries as rank keys into
-    ``dst[r, :]`` (unordered; the remaining slots untouched)."""
+    """Grid ``(rows,)``: ``out[r, :min(k, K_P2)]`` = row ``r``'s best positions in rank order
+    (``-1`` past its ``min(k, hi - lo)`` candidates), or with ``SLOTS`` their cache slots through
+    ``block_table[r // next_n]`` (``-1`` where a position has none). ``scr[r, :K_P2]``: scratch."""
     r = tl.program_id(0)
     row_ptr = x_ptr + r.to(tl.int64) * stride_xr
     lo = tl.minimum(tl.maximum(tl.load(lo_ptr + r), 0), n).to(tl.int32)
     hi = tl.minimum(tl.maximum(tl.load(hi_ptr + r), lo), n).to(tl.int32)
     kk = tl.minimum(hi - lo, k)
+    scr = scr_ptr + r.to(tl.int64) * stride_sr
     if kk > 0:
         c_lo = (lo // BLOCK) * BLOCK
         prefix = tl.zeros([], tl.uint32)
-        prefix, rem = _radix_pass(row_ptr, lo, hi, c_lo, prefix, kk, 24, BLOCK, FOR_LOOP)
-        prefix, rem = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 16, BLOCK, FOR_LOOP)
-        prefix, rem = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 8, BLOCK, FOR_LOOP)
-        kth, need_eq = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, BLOCK, FOR_LOOP)
-        dst = dst_ptr + r.to(tl.int64) * stride_dr
+        rem = kk
+        for p in tl.static_range(32 // BITS):
+            prefix, rem = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 32 - BITS * (p + 1), BITS, BLOCK, FOR_LOOP)
+        # prefix: the k-th best key; rem: how many entries equal to it belong to the top k
         n_gt = tl.zeros([], tl.int32)
         n_eq = tl.zeros([], tl.int32)
         if FOR_LOOP:
             for start in tl.range(c_lo, hi, BLOCK, num_stages=2):
-                n_gt, n_eq = _select_chunk(row_ptr, start, lo, hi, kth, need_eq, n_gt, n_eq, dst, BLOCK)
+                pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+                n_gt, n_eq = _select_keys(pos, valid, key, ukey, prefix, rem, n_gt, n_eq, scr)
         else:
             start = c_lo
             while start < hi:
-                n_gt, n_eq = _select_chunk(row_ptr, start, lo, hi, kth, need_eq, n_gt, n_eq, dst, BLOCK)
+                pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+                n_gt, n_eq = _select_keys(pos, valid, key, ukey, prefix, rem, n_gt, n_eq, scr)
                 start += BLOCK
+    tl.debug_barrier()  # every thread's scratch stores before any thread's loads
+    rank = tl.arange(0, K_P2)
+    top = tl.load(scr + rank, mask=rank < kk, other=-9223372036854775808)
+    top = tl.sort(top, descending=True)
+    low = top - ((top >> 32) << 32)  # 2^32 - 1 - position
+    res = tl.where(rank < kk, 4294967295 - low, -1)
+    if SLOTS:  # block_table[r // next_n, t // pbs] * pbs + t % pbs; -1 where there is none
+        lb = res // pbs
+        ok = (res >= 0) & (lb < n_log)
+        bt_row = bt_ptr + (r // next_n).to(tl.int64) * stride_bt
+        phys = tl.load(bt_row + tl.where(ok, lb, 0), mask=ok, other=-1).to(tl.int64)
+        slot = phys * pbs + res % pbs
+        res = tl.where(ok & (phys >= 0) & (slot <= 2147483647), slot, -1)
+    tl.store(out_ptr + r.to(tl.int64) * stride_or + rank, res.to(tl.int32), mask=rank < k)
 
 
-#: launch parameters of the top-k select (``block`` row entries a step)
-TOPK_CONFIG = dict(block=4096, num_warps=8)
+#: launch parameters of the top-k: ``bits`` per radix pass (4 or 8), ``block`` row entries a step,
+#: ``num_warps``
+TOPK_CONFIG = dict(bits=4, block=2048, num_warps=4)
 
 
-def launch_topk_select(logits, lo, hi, dst, k, config=None) -> None:
+def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_n=1, config=None) -> None:
     """``logits [rows, n]`` (row stride any, entries contiguous), ``lo``/``hi`` ``[rows]`` int64,
-    ``dst [rows, >= k]`` int64 pre-filled with the smallest int64: each row's best
-    ``min(k, hi - lo)`` rank keys, unordered."""
-    require_runnable(_topk_select_kernel, logits.device, _key32, _row_chunk, _hist_chunk, _radix_pass, _select_chunk)
+    ``out [rows, k]`` int32 (entries contiguous): each row's ``min(k, hi - lo)`` best positions in
+    rank order and ``-1`` after them, in columns ``< next_power_of_2(kk)`` (``kk = min(k, n)``; the
+    caller fills any column past that). With ``table`` (``[b, max_blocks]`` int32/int64, entries
+    contiguous, ``b = rows / next_n``) the positions become cache slots as
+    :func:`sparse_mla.serving.reference.abs_indices_to_kvcache_indices` maps them."""
+    require_runnable(
+        _topk_kernel, logits.device, _key32, _row_chunk, _digit_hist, _pick_digit, _radix_pass, _select_keys
+    )
     cfg = {**TOPK_CONFIG, **(config or {})}
+    if cfg["bits"] not in (1, 2, 4, 8, 16):
+        raise ValueError(f"config: bits must divide 32 (a power of two up to 16), got {cfg['bits']!r}")
     rows, n = logits.shape
+    k_p2 = triton.next_power_of_2(kk)
+    scratch = torch.empty((rows, k_p2), dtype=torch.int64, device=logits.device)
     block = min(cfg["block"], max(triton.next_power_of_2(n), 256))
-    _topk_select_kernel[(rows,)](
-        logits, logits.stride(0), lo, hi, dst, dst.stride(0), n, k,
-        BLOCK=block, FOR_LOOP=not interpreting(), num_warps=cfg["num_warps"],
+    slots = table is not None
+    bt = table if slots else lo
+    _topk_kernel[(rows,)](
+        logits, logits.stride(0), lo, hi, scratch, scratch.stride(0), out, out.stride(0), n, k,
+        bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
+        BLOCK=block, BITS=cfg["bits"], K_P2=k_p2, SLOTS=slots, FOR_LOOP=not interpreting(),
+        num_warps=cfg["num_warps"],
     )  # fmt: skip

@@ -5,12 +5,12 @@ after ``-inf``; ``-0.0`` equals ``+0.0``. Only positions in a row's ``[row_start
 (default the whole row) are candidates; a row with fewer than ``k`` candidates gets ``-1`` in its
 last entries. Implementation: each logit becomes one int64 rank key (the float's order-preserving
 32 bits above the inverted position), all distinct, so the set is exact with no tie ambiguity.
-On CUDA (and under the interpreter) a Triton kernel (:func:`.kernels.launch_topk_select`, one
-program per row) finds the row's k-th best 32-bit key by a radix select and writes the rank keys
-of the entries above it plus the lowest-position entries equal to it, and one ``torch.sort`` of
-those k keys per row gives the rank order; elsewhere one ``torch.topk`` over all the rank keys
-(:func:`rank_keys`). No host synchronisation (CUDA-graph safe). Twin:
-:func:`sparse_mla.indexer.reference.topk_indices_reference`.
+On CUDA (and under the interpreter) one Triton kernel (:func:`.kernels.launch_topk`, one program
+per row) finds the row's k-th best 32-bit key by a radix select, gathers the rank keys of the
+entries above it plus the lowest-position entries equal to it, sorts those k keys and writes the
+positions, or, for :func:`topk_kvcache_indices`, the cache slots they map to; elsewhere one
+``torch.topk`` over all the rank keys (:func:`rank_keys`). No host synchronisation (CUDA-graph
+safe). Twin: :func:`sparse_mla.indexer.reference.topk_indices_reference`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..runtime import on_tensor_device, use_triton
+from ..serving.checks import check_block_table
 from ..serving.reference import abs_indices_to_kvcache_indices
 from .checks import INT32_MAX, check_tensor_arg
 
@@ -71,10 +72,23 @@ def topk_indices(
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape or device.
     """
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= INT32_MAX:
-        raise ValueError(f"k: expected an int in [1, 2^31 - 1] (int32 positions), got {k!r}")
+    _check_k(k)
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
         return torch.ops.sparse_mla.topk_indices(logits, int(k), row_starts, row_ends)
+    return _topk(logits, int(k), row_starts, row_ends)
+
+
+def _topk(
+    logits: torch.Tensor,
+    k: int,
+    row_starts: torch.Tensor | None,
+    row_ends: torch.Tensor | None,
+    table: torch.Tensor | None = None,
+    page_block_size: int = 1,
+    next_n: int = 1,
+) -> torch.Tensor:
+    """:func:`topk_indices` after its ``k`` check; with ``table`` the positions are mapped to cache
+    slots (``[rows, k]``; the caller checked ``table``, ``page_block_size`` and ``next_n``)."""
     check_tensor_arg(logits, "logits", (torch.float32, torch.float16, torch.bfloat16), 2)
     rows, n = logits.shape
     dev = logits.device
@@ -82,24 +96,38 @@ def topk_indices(
     hi = _check_range(row_ends, "row_ends", rows, dev)
     lo = torch.zeros(rows, dtype=torch.int64, device=dev) if lo is None else lo.clamp(0, n)
     hi = torch.full((rows,), n, dtype=torch.int64, device=dev) if hi is None else hi.clamp(0, n)
-    out = torch.full((rows, k), -1, dtype=torch.int32, device=dev)
-    kk = min(int(k), n)
-    if rows == 0 or kk == 0:
-        return out
-    if use_triton(dev):  # the select kernel writes each row's best kk rank keys, unordered
-        from .kernels import launch_topk_select
+    kk = min(k, n)
+    if rows and kk and use_triton(dev):  # one kernel: select, sort, positions (or slots)
+        from .kernels import launch_topk
 
         x = logits if logits.stride(1) == 1 else logits.contiguous()
-        sel = torch.full((rows, kk), torch.iinfo(torch.int64).min, dtype=torch.int64, device=dev)
-        launch_topk_select(x, lo.contiguous(), hi.contiguous(), sel, kk)
-        top = torch.sort(sel, dim=1, descending=True).values
-    else:
+        covered = k <= _next_pow2(kk)  # the kernel writes columns < next_pow2(kk)
+        out = torch.empty((rows, k), dtype=torch.int32, device=dev) if covered else _minus_one((rows, k), dev)
+        launch_topk(x, lo.contiguous(), hi.contiguous(), out, k, kk, table, page_block_size, next_n)
+        return out
+    out = _minus_one((rows, k), dev)
+    if rows and kk:
         top = torch.topk(rank_keys(logits, lo, hi), kk, dim=1, largest=True, sorted=True).values
-    pos = (_LOW - (top & _LOW)).to(torch.int32)
-    count = (hi - lo).clamp(min=0).view(-1, 1)
-    rank = torch.arange(kk, device=dev).view(1, -1)
-    out[:, :kk] = torch.where(rank < count, pos, torch.full_like(pos, -1))
+        pos = (_LOW - (top & _LOW)).to(torch.int32)
+        count = (hi - lo).clamp(min=0).view(-1, 1)
+        rank = torch.arange(kk, device=dev).view(1, -1)
+        out[:, :kk] = torch.where(rank < count, pos, torch.full_like(pos, -1))
+    if table is not None:
+        out = abs_indices_to_kvcache_indices(out.view(rows // next_n, next_n, k), table, page_block_size).view(rows, k)
     return out
+
+
+def _check_k(k: Any) -> None:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= INT32_MAX:
+        raise ValueError(f"k: expected an int in [1, 2^31 - 1] (int32 positions), got {k!r}")
+
+
+def _minus_one(shape: tuple[int, int], dev: torch.device) -> torch.Tensor:
+    return torch.full(shape, -1, dtype=torch.int32, device=dev)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
 
 
 @on_tensor_device
@@ -129,8 +157,19 @@ def topk_kvcache_indices(
     """
     if isinstance(next_n, bool) or not isinstance(next_n, numbers.Integral) or next_n < 1:
         raise ValueError(f"next_n: expected an int >= 1, got {next_n!r}")
-    pos = topk_indices(logits, k, row_starts, row_ends)
-    rows = pos.shape[0]
+    if torch.compiler.is_compiling():  # the top-k operator, then the slot map in torch ops
+        pos = topk_indices(logits, k, row_starts, row_ends)
+        rows = pos.shape[0]
+        if rows % next_n:
+            raise ValueError(f"logits: rows ({rows}) must be b * next_n with next_n={next_n}")
+        return abs_indices_to_kvcache_indices(pos.view(rows // next_n, next_n, -1), block_table, page_block_size)
+    _check_k(k)
+    check_tensor_arg(logits, "logits", (torch.float32, torch.float16, torch.bfloat16), 2)
+    rows = logits.shape[0]
     if rows % next_n:
         raise ValueError(f"logits: rows ({rows}) must be b * next_n with next_n={next_n}")
-    return abs_indices_to_kvcache_indices(pos.view(rows // next_n, next_n, -1), block_table, page_block_size)
+    b = rows // next_n
+    check_block_table(block_table, b, logits.device, page_block_size)
+    table = block_table if block_table.shape[1] < 2 or block_table.stride(1) == 1 else block_table.contiguous()
+    out = _topk(logits, int(k), row_starts, row_ends, table, page_block_size, int(next_n))
+    return out.view(b, int(next_n), int(k))

@@ -73,15 +73,19 @@ def check_abs_index_args(abs_indices: torch.Tensor, block_table: torch.Tensor, p
     """Argument checks shared by :func:`abs_indices_to_kvcache_indices` and its Triton twin."""
     if not isinstance(abs_indices, torch.Tensor) or abs_indices.dtype not in (torch.int32, torch.int64):
         raise TypeError("abs_indices: expected an int32 tensor [b, s_q, topk]")
+    if abs_indices.dim() != 3:
+        raise ValueError(f"abs_indices: expected shape [b, s_q, topk], got {list(abs_indices.shape)}")
+    check_block_table(block_table, abs_indices.shape[0], abs_indices.device, page_block_size)
+
+
+def check_block_table(block_table: torch.Tensor, b: int, device: torch.device, page_block_size: int) -> None:
+    """``block_table`` an int32/int64 ``[b, max_blocks_per_seq]`` tensor on ``device``, and
+    ``page_block_size`` an int in ``[1, 2^31 - 1]``."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
         raise TypeError("block_table: expected an int32 tensor [b, max_blocks_per_seq]")
     if isinstance(page_block_size, bool) or not isinstance(page_block_size, int) or not 0 < page_block_size < 2**31:
         raise ValueError(f"page_block_size: expected an int in [1, 2^31 - 1], got {page_block_size!r}")
-    if abs_indices.dim() != 3:
-        raise ValueError(f"abs_indices: expected shape [b, s_q, topk], got {list(abs_indices.shape)}")
-    if block_table.dim() != 2 or block_table.shape[0] != abs_indices.shape[0]:
-        raise ValueError(
-            f"block_table: expected shape [b={abs_indices.shape[0]}, max_blocks_per_seq], got {list(block_table.shape)}"
-        )
-    if block_table.device != abs_indices.device:
-        raise ValueError("block_table: must be on the same device as abs_indices")
+    if block_table.dim() != 2 or block_table.shape[0] != b:
+        raise ValueError(f"block_table: expected shape [b={b}, max_blocks_per_seq], got {list(block_table.shape)}")
+    if block_table.device != device:
+        raise ValueError(f"block_table: must be on the same device as the indices ({device})")
