@@ -388,10 +388,10 @@ def test_topk_random_rows_with_ties_match_twin(n, k, dtype):
 
 
 @pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("n, k, bits, block", [(5000, 300, 8, 1024), (3000, 64, 4, 256), (700, 40, 2, 512)])
+@pytest.mark.parametrize("n, k, bits, block", [(5000, 300, 4, 1024), (3000, 64, 4, 256), (700, 40, 2, 512)])
 def test_topk_kernel_configs_match_twin(n, k, bits, block):
-    # other digit widths than the default (8-bit digits: 4 passes of 256 bins; 2-bit: 16 passes)
-    # and steps of BLOCK entries that straddle lo and hi
+    # other digit widths than the default 8 bits (4-bit digits: 8 passes of 16 bins; 2-bit: 16
+    # passes) and steps of BLOCK entries that straddle lo and hi
     from sparse_mla.indexer.kernels import launch_topk
 
     x, lo, hi = _tied_rows(n, k)

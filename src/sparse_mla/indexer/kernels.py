@@ -378,8 +378,9 @@ def launch_paged_mqa_logits(
 # position)`` into the row's k scratch slots (same rank keys as :func:`.topk.rank_keys`); then the
 # program sorts those k keys (descending: rank order) and writes the positions, ``-1`` past the
 # row's candidates, or (``SLOTS``) the cache slots they map to through the block table.
-# ``tl.histogram`` costs about log2(bins) warp ballots plus, per bin a lane owns, log2(bins) mask
-# operations per entry: 4-bit digits (16 bins) take a quarter of the work of 8-bit ones (256).
+# (``tl.histogram`` costs about log2(bins) warp ballots plus, per bin a lane owns, log2(bins) mask
+# operations per entry: 4-bit digits do a quarter of the 8-bit passes' histogram work, and measured
+# no faster on the H200: the histograms are not what bounds the kernel.)
 
 
 @triton.jit
@@ -509,9 +510,10 @@ def _topk_kernel(
     tl.store(out_ptr + r.to(tl.int64) * stride_or + rank, res.to(tl.int32), mask=rank < k)
 
 
-#: launch parameters of the top-k: ``bits`` per radix pass (4 or 8), ``block`` row entries a step,
-#: ``num_warps``
-TOPK_CONFIG = dict(bits=4, block=2048, num_warps=4)
+#: launch parameters of the top-k: ``bits`` per radix pass (a power of two up to 16), ``block`` row
+#: entries a step, ``num_warps``. The H200 sweep (``benchmarks/indexer_sweep.py --only topk``, 256 x
+#: 32K, k 2048): 8-bit digits, 2048 entries, 4 warps 320 us; 4-bit digits at best 334 us (8 warps)
+TOPK_CONFIG = dict(bits=8, block=2048, num_warps=4)
 
 
 def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_n=1, config=None) -> None:
