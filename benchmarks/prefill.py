@@ -7,7 +7,10 @@ rows of ``s_kv`` per query token), plus tensor-parallel head counts 16 and 32. P
 of ``triton.testing.do_bench``), TFLOP/s on ``2·s_q·h_q·topk·(d_qk + 512)``, % of the measured bf16
 matmul ceiling, and the ratio to FlashMLA's bf16 time (targets: bf16 ≤ 1.10, FP8 cache ≤ 1.20).
 
-    python -m benchmarks.prefill [--quick] [--only k=v,...] [--json PATH]
+    python -m benchmarks.prefill [--quick] [--only k=v,...] [--forms bf16,fp8] [--backend NAME] [--json PATH]
+
+``--backend`` (default ``auto``: the Hopper kernel on an sm_90 GPU for both forms) times another
+backend, e.g. ``portable`` for the bf16 rows' previous path.
 """
 
 from __future__ import annotations
@@ -69,12 +72,14 @@ def make_inputs(s: PrefillShape, seed: int = 0) -> dict:
     return dict(q=q, kv=kv, cache=cache, indices=idx, sink=sink)
 
 
-def bench_shape(s: PrefillShape, form: str, peak_tflops: float, quick: bool) -> dict:
+def bench_shape(s: PrefillShape, form: str, peak_tflops: float, quick: bool, backend: str = "auto") -> dict:
     inp = make_inputs(s)
     kv = inp["kv"] if form == "bf16" else inp["cache"]
 
     def fn():
-        return flash_mla.flash_mla_sparse_fwd(inp["q"], kv, inp["indices"], s.d_qk**-0.5, attn_sink=inp["sink"])
+        return flash_mla.flash_mla_sparse_fwd(
+            inp["q"], kv, inp["indices"], s.d_qk**-0.5, attn_sink=inp["sink"], backend=backend
+        )
 
     fn()
     torch.cuda.synchronize()
@@ -83,6 +88,7 @@ def bench_shape(s: PrefillShape, form: str, peak_tflops: float, quick: bool) -> 
     return dict(
         harness.as_dict(s),
         form=form,
+        backend=backend,
         us=us,
         tflops=tflops,
         pct_mma=100 * tflops / peak_tflops,
@@ -95,6 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", help="shape filters k=v,k=v; several separated by ';'")
     ap.add_argument("--forms", default="bf16,fp8", help="kv forms to time: bf16, fp8")
+    ap.add_argument("--backend", default="auto", help="prefill backend: auto, hopper, portable")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -110,7 +117,7 @@ def main(argv=None) -> int:
         if not any(s.matches(f) for f in filters):
             continue
         for form in args.forms.split(","):
-            r = bench_shape(s, form, peak_tflops, args.quick)
+            r = bench_shape(s, form, peak_tflops, args.quick, args.backend)
             rows.append(r)
             fm, ratio = s.flashmla_us, r["ratio_to_flashmla"]
             print(
@@ -119,7 +126,9 @@ def main(argv=None) -> int:
                 flush=True,
             )
             torch.cuda.empty_cache()
-    path = harness.write_results("prefill", dict(peak_tflops=peak_tflops, quick=args.quick, rows=rows), args.json)
+    path = harness.write_results(
+        "prefill", dict(peak_tflops=peak_tflops, quick=args.quick, backend=args.backend, rows=rows), args.json
+    )
     print(f"results: {path}")
     return 0
 

@@ -1,6 +1,7 @@
 """Offline Hopper compile check of the Gluon sparse decode kernel (no GPU needed).
 
-    PYTHONPATH=src python3 scripts/gluon_compile_check.py [--sink] [--topk-len] [--pbs 61] [--dump DIR]
+    PYTHONPATH=src python3 scripts/gluon_compile_check.py [--sink] [--topk-len] [--pbs 61] [--model1]
+        [--heads 16|32|64] [--extra | --bf16-kv [--align 16|8|4|2]] [--max-logits] [--dump DIR]
 
 Runs on any machine with Triton (no GPU needed): check the Hopper kernel compiles, and what it costs
 in registers, spills and shared memory, after every change to it.
@@ -10,6 +11,12 @@ Compiles ``sparse_mla.decode.hopper._sparse_decode_gluon_kernel`` for sm_90a
 ptxas shipped with Triton (``-arch=sm_90a -v``: registers, spills per kernel) and counts HGMMA /
 mbarrier / setmaxnreg instructions in the SASS (``cuobjdump -sass``). Exit code 1 if something
 expected is missing (HGMMA, spills over the threshold, smem over 227 KiB).
+
+``--max-logits`` compiles the ``HAS_MAX_LOGITS`` epilogue (the sparse prefill's route on the FP8
+cache). ``--bf16-kv`` compiles the sparse prefill's variant on bf16 ``kv`` rows (``KV_BF16``, with
+that epilogue; ``--model1`` for d_qk 512): its producer copies with ``cp.async`` (the PTX
+``cp.async`` and SASS ``LDGSTS.E`` counts; SASS ``LDG`` counts plain loads only); ``--align`` below
+16 compiles it for rows that are not 16-byte aligned (views; 2: the register fallback).
 """
 
 from __future__ import annotations
@@ -64,19 +71,23 @@ def compile_kernel(
     model1: bool = False,
     extra: bool = False,
     heads: int = 64,
+    bf16_kv: bool = False,
+    align: int = 16,
+    max_logits: bool = False,
 ):
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
     consts = dict(
+        KV_BF16=bf16_kv,
         IS_V32=not model1,
         HAS_TOPK_LEN=has_topk_len,
         HAS_EXTRA=extra,
         HAS_EXTRA_LEN=extra and has_topk_len,
         HAS_SINK=has_sink,
-        HAS_MAX_LOGITS=False,
+        HAS_MAX_LOGITS=max_logits or bf16_kv,
         PBS_POW2=pbs_pow2,
         PBS_LOG2=pbs_log2,
-        ALIGN=16,
+        ALIGN=align,
         PRODUCER_WARPS=sdg.HopperConfig().producer_warps if heads == 64 else sdg.HopperConfig().narrow_producer_warps,
         PRODUCER_REGS=producer_regs,
         PROFILE=sdg.PROFILE_OFF,
@@ -84,17 +95,20 @@ def compile_kernel(
     )
     if heads < 64:
         num_warps = sdg.NARROW_CONSUMER_WARPS
+    ptrs = dict(PTRS, kv_ptr="*bf16") if bf16_kv else PTRS
     sig = {}
     for n in names:
-        if n in PTRS:
-            sig[n] = PTRS[n]
+        if n in ptrs:
+            sig[n] = ptrs[n]
         elif n in consts:
             sig[n] = "constexpr"
         elif n == "scale_log2":
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-    div16 = [n for n in names if n in PTRS or (n.startswith("stride") and n not in UNIT)]
+    div16 = [n for n in names if n in ptrs or (n.startswith("stride") and n not in UNIT)]
+    if align < 16:  # bf16 rows whose addresses are not 16-byte aligned (a 2-byte aligned base pointer at 2)
+        div16 = [n for n in div16 if n not in (("kv_ptr", "stride_blk") if align < 4 else ("stride_blk",))]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = GluonASTSource(
         fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs
@@ -102,17 +116,22 @@ def compile_kernel(
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
 
 
+def _sass_re(pat: str) -> str:
+    """A SASS opcode pattern; ``LDG`` is the plain global loads (not ``LDGSTS``/``LDGDEPBAR``)."""
+    return r"\bLDG\." if pat == "LDG" else r"\b" + re.escape(pat)
+
+
 def sass_regions(sass: str):
     """Split the SASS at USETMAXREG instructions; count spills and key instructions per region."""
     out, cur, c = [], "entry", {}
-    pats = ("STL", "LDL", "HGMMA", "LDG", "STS", "SYNCS.ARRIVE", "SYNCS.PHASECHK", "BAR.SYNC")
+    pats = ("STL", "LDL", "HGMMA", "LDG", "LDGSTS.E", "STS", "SYNCS.ARRIVE", "SYNCS.PHASECHK", "BAR.SYNC")
     for line in sass.splitlines():
         m = re.search(r"USETMAXREG\.(\S+)\s+(?:\S+,\s*)?(0x[0-9a-f]+)", line)
         if m:
             out.append((cur, c))
             cur, c = f"{m.group(1)} {int(m.group(2), 16)} regs", {}
         for pat in pats:
-            if re.search(r"\b" + re.escape(pat), line):
+            if re.search(_sass_re(pat), line):
                 c[pat] = c.get(pat, 0) + 1
     out.append((cur, c))
     return [(k, v) for k, v in out if v]
@@ -142,6 +161,15 @@ def main() -> int:
     ap.add_argument("--model1", action="store_true", help="the MODEL1 cache (d_qk 512)")
     ap.add_argument("--extra", action="store_true", help="with an extra cache")
     ap.add_argument("--heads", type=int, default=64, choices=(16, 32, 64), help="heads per CTA (16/32: narrow)")
+    ap.add_argument(
+        "--bf16-kv", action="store_true", help="the sparse prefill on bf16 kv rows (KV_BF16, with max_logits)"
+    )
+    ap.add_argument(
+        "--max-logits", action="store_true", help="the sparse prefill's max_logits epilogue (implied by --bf16-kv)"
+    )
+    ap.add_argument(
+        "--align", type=int, default=16, choices=(2, 4, 8, 16), help="--bf16-kv: bytes dividing every row address"
+    )
     ap.add_argument("--producer-regs", type=int, default=sdg.HopperConfig().producer_regs)
     ap.add_argument("--maxnreg", type=int, default=sdg.HopperConfig().maxnreg)
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass")
@@ -152,6 +180,10 @@ def main() -> int:
         help="spill bytes tolerated (ptxas total; the per-region SASS table shows where they are)",
     )
     a = ap.parse_args()
+    if a.bf16_kv and a.extra:
+        ap.error("--bf16-kv: the sparse prefill has no extra cache")
+    if a.align != 16 and not a.bf16_kv:
+        ap.error("--align: only with --bf16-kv")
     pow2 = a.pbs & (a.pbs - 1) == 0
     k = compile_kernel(
         a.sink,
@@ -163,6 +195,9 @@ def main() -> int:
         model1=a.model1,
         extra=a.extra,
         heads=a.heads,
+        bf16_kv=a.bf16_kv,
+        align=a.align,
+        max_logits=a.max_logits,
     )
     md = k.metadata
     print(
@@ -189,6 +224,9 @@ def main() -> int:
         "bar.arrive",
         "fence.proxy.async",
         "cvt.rn.f16x2.e4m3x2",
+        "cp.async.cg.shared.global",
+        "cp.async.ca.shared.global",
+        "cp.async.mbarrier.arrive",
         "ld.local",
         "st.local",
     ]:
@@ -211,7 +249,7 @@ def main() -> int:
         with open(os.path.join(dump, "k.sass"), "w") as f:
             f.write(s)
         counts = {
-            pat: len(re.findall(pat, s))
+            pat: len(re.findall(_sass_re(pat) if pat == "LDG" else pat, s))
             for pat in [
                 "HGMMA",
                 "WARPGROUP.ARRIVE",
@@ -220,6 +258,7 @@ def main() -> int:
                 "USETMAXREG",
                 "LDG.E.128",
                 "LDG",
+                "LDGSTS.E",
                 "STS.128",
                 "STS",
                 "LDL",

@@ -1,7 +1,7 @@
-"""Sparse prefill (``flash_mla_sparse_fwd``): the reference against the definition, the portable
-kernel against the reference (compiled on CUDA, interpreted on the CPU) on fresh random inputs
-and the contract's corner cases, both ``kv`` forms (bf16 rows, the FP8 paged cache), views, and
-argument validation."""
+"""Sparse prefill (``flash_mla_sparse_fwd``): the reference against the definition, the kernels
+against the reference (``auto``: the Hopper kernel on an sm_90 GPU, else the portable one,
+compiled on CUDA, interpreted on the CPU) on fresh random inputs and the contract's corner
+cases, both ``kv`` forms (bf16 rows, the FP8 paged cache), views, and argument validation."""
 
 from __future__ import annotations
 
@@ -197,28 +197,32 @@ def test_views(form):
     assert torch.equal(out, ref[0]) and torch.equal(lse, ref[2]) and torch.equal(ml, ref[1])
 
 
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
 def test_auto_runs_the_kernel_where_triton_runs():
     from sparse_mla.prefill import validate_sparse_prefill
     from sparse_mla.prefill.run import resolve_prefill_backend
 
-    q, kv, idx, _ = make_case(1, 16, 8, seed=14)
-    assert resolve_prefill_backend(validate_sparse_prefill(q, kv, idx, 0.1)) == ("portable" if KERNELS else "reference")
+    q, kv, idx, _ = make_case(1, 16, 8, seed=14)  # bf16 rows
+    want = "hopper" if ON_HOPPER else ("portable" if KERNELS else "reference")
+    assert resolve_prefill_backend(validate_sparse_prefill(q, kv, idx, 0.1)) == want
 
 
-ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
-
-
-def test_hopper_backend_refuses_what_it_cannot_run():
-    q, kv, idx, _ = make_case(2, 16, 8, seed=15)  # bf16 rows
-    why = "reads the FP8 paged cache only" if ON_HOPPER else "needs "
-    with pytest.raises(ValueError, match=f"^backend: 'hopper' {why}"):
+@pytest.mark.skipif(ON_HOPPER, reason="an sm_90 GPU runs both kv forms on the hopper backend")
+@pytest.mark.parametrize("form", ["bf16", "fp8"])
+def test_hopper_backend_refuses_what_it_cannot_run(form):
+    q, kv, idx, _ = make_case(2, 16, 8, form=form, seed=15)
+    with pytest.raises(ValueError, match="^backend: 'hopper' needs "):
         flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.1, backend="hopper")
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("form", ["fp8", "bf16"])
 @pytest.mark.parametrize("d_qk", [576, 512])
 @pytest.mark.parametrize("h_q", [128, 40, 16, 32])
-def test_hopper_backend_on_the_fp8_cache(d_qk, h_q):
+def test_hopper_backend_on_both_kv_forms(form, d_qk, h_q):
+    # fp8: the cache producer; bf16 rows: the KV_BF16 producer (cp.async into the K stages)
     from sparse_mla.prefill import validate_sparse_prefill
     from sparse_mla.prefill.run import resolve_prefill_backend
 
@@ -226,10 +230,38 @@ def test_hopper_backend_on_the_fp8_cache(d_qk, h_q):
     # (2.4 M outputs) the tail of that rounding put 4 outputs at 1.1x FlashMLA's prefill tolerance
     lens = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(d_qk + h_q)).tolist()
     lens[:3] = [0, 300, 1]
-    q, kv, idx, kw = make_case(9, h_q, 300, d_qk=d_qk, form="fp8", s_kv=2000, seed=21, topk_length=lens, sink=True)
+    q, kv, idx, kw = make_case(9, h_q, 300, d_qk=d_qk, form=form, s_kv=2000, seed=21, topk_length=lens, sink=True)
     assert resolve_prefill_backend(validate_sparse_prefill(q, kv, idx, 0.1)) == "hopper"
     out, ml, lse = run_and_check(q, kv, idx, backend="hopper", **kw)
     assert torch.isposinf(lse[0]).all() and torch.isneginf(ml[0]).all() and (out[0].float() == 0).all()
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize(
+    "d_qk, pad, offset, align, h_q",
+    [
+        (576, 0, 0, 16, 64),
+        (576, 4, 0, 8, 64),
+        (576, 2, 0, 4, 16),
+        (576, 1, 0, 2, 64),
+        (576, 8, 3, 2, 32),
+        (512, 4, 0, 8, 64),
+    ],
+)
+def test_hopper_bf16_rows_at_every_alignment(d_qk, pad, offset, align, h_q):
+    # row views whose addresses are 16-, 8-, 4- or only 2-byte aligned: cp.async of 16, 8 or 4 bytes,
+    # or (a 2-byte aligned base or row stride) the register fallback; all give the contiguous rows'
+    # result bit for bit, and the NaN around each row is never read
+    from sparse_mla.decode.hopper import _rows_alignment
+
+    q, kv, idx, kw = make_case(5, h_q, 200, d_qk=d_qk, s_kv=700, seed=22, topk_length=[200, 0, 17, 64, 130], sink=True)
+    big = torch.full((kv.shape[0], 1, d_qk + pad + offset), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    big[..., offset : offset + d_qk] = kv
+    kvv = big[..., offset : offset + d_qk]
+    assert _rows_alignment(kvv) == align
+    out, ml, lse = run_and_check(q, kvv, idx, backend="hopper", **kw)
+    ref = flash_mla.flash_mla_sparse_fwd(q, kv, idx, d_qk**-0.5, backend="hopper", **kw)
+    assert torch.equal(out, ref[0]) and torch.equal(ml, ref[1]) and torch.equal(lse, ref[2])
 
 
 @needs_kernels
@@ -240,6 +272,35 @@ def test_non_finite_queries():
     out, ml, lse = run_and_check(q, kv, idx, finite=False, **kw)
     assert torch.isnan(out[0, 3].float()).all() and torch.isnan(lse[0, 3]) and torch.isnan(ml[0, 3])
     assert torch.isfinite(out[0, :3].float()).all() and torch.isfinite(out[1, :4].float()).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("form", ["bf16", "fp8"])
+def test_max_logits_of_inf_and_nan_scores(form):
+    # one +inf query value: keys with a positive entry there score +inf, negative -inf, zero NaN
+    # (inf * 0). Head 1 sees +inf and NaN scores: max_logits +inf (+inf wins over NaN, as the
+    # reference's max_logits_rule says); head 2 has a NaN query value (NaN scores only): NaN; the
+    # other heads stay finite
+    q, kv, idx, kw = make_case(3, 16, 64, form=form, seed=23, invalid_frac=0.0)
+    d0 = 7
+    q[:, 1, :] = 0.01
+    q[:, 1, d0] = float("inf")
+    q[:, 2, 9] = float("nan")
+    rows = idx[:, 0, :8].long()  # the first 8 keys of every token: entry d0 zero, positive, negative
+    if form == "bf16":  # (the zeros last: a key two tokens share keeps its zero)
+        kv[rows[:, 1], 0, d0] = 1.0
+        kv[rows[:, 0], 0, d0] = 0.0
+    else:  # the FP8 cache: overwrite the NoPE byte of dim d0 (e4m3 0x38 = 1.0, 0x00 = 0)
+        from sparse_mla.formats import cache_bytes
+
+        raw = cache_bytes(kv)
+        pbs = raw.shape[1]
+        for slot, byte in ((rows[:, 1], 0x38), (rows[:, 0], 0x00)):
+            raw[slot // pbs, slot % pbs, 0, d0] = byte
+    out, ml, lse = run_and_check(q, kv, idx, finite=False, **kw)
+    assert torch.isposinf(ml[:, 1]).all() and torch.isnan(lse[:, 1]).all()
+    assert torch.isnan(ml[:, 2]).all() and torch.isnan(lse[:, 2]).all()
+    assert torch.isfinite(ml[:, 3:]).all() and torch.isfinite(lse[:, 3:]).all()
 
 
 # ------------------------------------------------------------------------------ the API
@@ -379,8 +440,9 @@ def test_torch_compile_fullgraph():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_and_replay():
-    q, kv, idx, kw = make_case(8, 64, 256, form="fp8", s_kv=2048, seed=13, topk_length=list(range(1, 257, 32)))
+@pytest.mark.parametrize("form", ["fp8", "bf16"])
+def test_cuda_graph_capture_and_replay(form):
+    q, kv, idx, kw = make_case(8, 64, 256, form=form, s_kv=2048, seed=13, topk_length=list(range(1, 257, 32)))
     want = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05, **kw)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()

@@ -160,8 +160,8 @@ def flash_mla_sparse_fwd(
         topk_length: ``[s_q]`` int32: query token i uses only ``indices[i, 0, :topk_length[i]]``
             (values past ``topk`` count as ``topk``, below 0 as 0). Rows past it are never read,
             so NaN there cannot reach the output.
-        backend: ``"auto"``, ``"hopper"`` (the decode's Gluon kernel; sm_90 GPUs, ``kv`` the FP8
-            paged cache; what ``"auto"`` picks there), ``"portable"`` (Triton kernel; CUDA, or CPU
+        backend: ``"auto"``, ``"hopper"`` (the decode's Gluon kernel; sm_90 GPUs, either ``kv``
+            form; what ``"auto"`` picks there), ``"portable"`` (Triton kernel; CUDA, or CPU
             under ``TRITON_INTERPRET=1``) or ``"reference"`` (fp32 PyTorch); keyword only.
 
     Returns:

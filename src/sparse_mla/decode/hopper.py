@@ -23,7 +23,10 @@ Structure of one CTA (one scheduler partition x one query token x 64 heads), Fla
   one load per token, and the 64 bf16 RoPE values fill the 8th slot: one ``[64, 512]`` K tile that
   is also V (``d_v = d_qk = 512``), no RoPE tile. With an extra cache (``HAS_EXTRA``) a request's
   walk continues past its main-cache blocks into the extra cache's, each block gathering from the
-  cache (pointer, strides, page size, indices, length) it belongs to.
+  cache (pointer, strides, page size, indices, length) it belongs to. ``KV_BF16`` (the sparse
+  prefill on bf16 rows ``[s_kv, 1, d_qk]``, :mod:`sparse_mla.prefill.hopper`): each block's rows
+  are copied into the stage with ``cp.async`` (:func:`_copy_block`; no conversion, no registers
+  for the tile) and ``ready[stage]`` completes through the copies' mbarrier arrivals.
 * **consumer = default partition** (8 warps = 2 warpgroups): per request piece it stages
   ``Q [64, 576]`` (MODEL1: ``[64, 512]``) bf16 in smem once; per block it waits ``ready[stage]``, computes
   ``S = Q Kᵀ [64, 64]`` with one wgmma whose accumulator layout is ``warps_per_cta = [4, 2]``: the
@@ -68,6 +71,7 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -293,6 +297,55 @@ def _stage_block(raw, sc, rope, vmask, ring, stage, phase, IS_V32: gl.constexpr,
 
 
 @gluon.jit
+def _copy_block(idx8, rows, ring, stage, phase, IS_V32: gl.constexpr, ALIGN: gl.constexpr, P_WARPS: gl.constexpr):
+    """``KV_BF16``: copy the 64 indexed rows of bf16 ``kv`` straight into ``stage`` with ``cp.async``
+    (16-byte copies no register holds): the 512 NoPE values into ``k_smem`` (one copy op for the
+    ``[64, 512]`` tile) and, V32, the 64 RoPE values into ``kr_smem``; MODEL1's 512 values are K and
+    V. An invalid row (index < 0 or >= ``s_kv``; -1 past ``topk_length``) is never read: its copies
+    zero-fill (K row = 0) and its mask entry is -inf. ``ready[stage]`` counts ``1 + 32 * P_WARPS``
+    arrivals: each thread's ``cp.async.mbarrier.arrive.noinc`` (it fires when that thread's copies
+    have landed) and the plain arrive after the mask store; the producer goes on to the next block
+    without waiting for its copies, and the consumer fences them for its wgmma after its wait.
+
+    ``ALIGN`` (bytes that divide every row address) below 4: a base pointer Triton only knows as
+    2-byte aligned cannot take ``cp.async``; the rows are then loaded into registers in ``[64, 64]``
+    column tiles and stored (correct, slow: views only)."""
+    kv_ptr, stride_row, _stride_tok, num_rows, _pbs = rows
+    k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
+    # 8 bf16 = 16 B per thread, 8 rows x 4 threads a warp (a row's 4 x 16 B land in distinct banks
+    # of the 128-B swizzle)
+    LDB: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_ROWS, 32 // TPW_ROWS], [P_WARPS, 1], [1, 0])
+    ROWB: gl.constexpr = gl.SliceLayout(1, LDB)
+    ALIGN_EL: gl.constexpr = ALIGN // 2
+    v8 = (idx8 >= 0) & (idx8 < num_rows)
+    s8 = gl.where(v8, idx8, 0)
+    rowb = gl.convert_layout(gl.multiple_of(s8.to(gl.int64) * stride_row, ALIGN_EL), ROWB)
+    vb = gl.expand_dims(gl.convert_layout(v8, ROWB), 1)
+    vmask = gl.where(v8, 0.0, float("-inf"))
+    src = kv_ptr + gl.expand_dims(rowb, 1)
+    cols = gl.expand_dims(gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, LDB)), 0)
+    colsr = gl.expand_dims(gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, LDB)), 0)
+    # wait for the consumer to free this stage (first lap passes: phase starts at 1)
+    mbarrier.wait(empty_bars.index(stage), phase ^ 1)
+    if ALIGN >= 4:
+        async_copy.async_copy_global_to_shared(k_smem.index(stage), src + cols, mask=vb)
+        if IS_V32:
+            async_copy.async_copy_global_to_shared(kr_smem.index(stage), src + D_NOPE + colsr, mask=vb)
+        async_copy.mbarrier_arrive(ready_bars.index(stage), increment_count=False)
+        mask_smem.index(stage).store(vmask)
+    else:
+        kbuf = k_smem.index(stage)
+        for c in gl.static_range(D_NOPE // D_ROPE):
+            kbuf.slice(c * D_ROPE, D_ROPE, dim=1).store(gl.load(src + c * D_ROPE + colsr, mask=vb, other=0.0))
+        if IS_V32:
+            kr_smem.index(stage).store(gl.load(src + D_NOPE + colsr, mask=vb, other=0.0))
+        mask_smem.index(stage).store(vmask)
+        fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ready_bars.index(stage), count=1)
+
+
+@gluon.jit
 def _block_cache(blk, mb, cache, xcache, HAS_EXTRA: gl.constexpr):
     """(pointer, block stride, tokens, page size) of the cache block ``blk`` of a request reads:
     the main one, or the extra one from block ``mb`` on."""
@@ -319,6 +372,7 @@ def _producer(
     xsel,
     sched,
     ring,
+    KV_BF16: gl.constexpr,
     IS_V32: gl.constexpr,
     HAS_TOPK_LEN: gl.constexpr,
     HAS_EXTRA: gl.constexpr,
@@ -384,15 +438,21 @@ def _producer(
                 idx_next = _block_indices(
                     blk + NPART, blk1, mb, ibase, stride_it, n_main, xibase, x_stride_it, n_extra, HAS_EXTRA, ROW8
                 )
-                c_ptr, c_sblk, c_ntok, c_pbs = _block_cache(blk, mb, cache, xcache, HAS_EXTRA)
-                # every gather of the block is in flight before the wait for a free stage
-                raw, sc, rope, vmask = _gather_block(
-                    idx8, c_ptr, c_sblk, c_ntok, c_pbs, stride_tok, IS_V32, PBS_SHIFT, PBS_LOG2, ALIGN, PROFILE,
-                    P_WARPS,
-                )  # fmt: skip
-                _stage_block(raw, sc, rope, vmask, ring, stage, phase, IS_V32, P_WARPS)
+                if KV_BF16:
+                    _copy_block(idx8, cache, ring, stage, phase, IS_V32, ALIGN, P_WARPS)
+                else:
+                    c_ptr, c_sblk, c_ntok, c_pbs = _block_cache(blk, mb, cache, xcache, HAS_EXTRA)
+                    # every gather of the block is in flight before the wait for a free stage
+                    raw, sc, rope, vmask = _gather_block(
+                        idx8, c_ptr, c_sblk, c_ntok, c_pbs, stride_tok, IS_V32, PBS_SHIFT, PBS_LOG2, ALIGN, PROFILE,
+                        P_WARPS,
+                    )  # fmt: skip
+                    _stage_block(raw, sc, rope, vmask, ring, stage, phase, IS_V32, P_WARPS)
         it = it0 + blk1 - blk0
         req += 1
+    if KV_BF16 and ALIGN >= 4:  # nothing in flight when the partition ends
+        async_copy.commit_group()
+        async_copy.wait_group(0)
 
 
 # --------------------------------------------------------------------------------------------- consumer
@@ -412,6 +472,7 @@ def _consumer_wide(
     qr_smem,
     p_smem,
     ring,
+    KV_BF16: gl.constexpr,
     IS_V32: gl.constexpr,
     HAS_EXTRA: gl.constexpr,
     HAS_SINK: gl.constexpr,
@@ -479,6 +540,10 @@ def _consumer_wide(
             stage = it % 2
             phase = (it // 2) & 1
             mbarrier.wait(ready_bars.index(stage), phase)
+            if KV_BF16:
+                # the stage was written by cp.async (generic proxy) and is read by wgmma (async
+                # proxy); the writers cannot fence after their copies land, so the reader does
+                fence_async_shared()
             if PROFILE == 1:  # PROFILE_PRODUCER_ONLY
                 gl.thread_barrier()
                 mbarrier.arrive(empty_bars.index(stage), count=1)
@@ -529,10 +594,11 @@ def _consumer_wide(
             gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
             lse_v = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
             gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse_v, mask=hmask_s)
-            if HAS_MAX_LOGITS:  # (sparse prefill: s_q 1, never split) max of q·k·sm_scale, -inf for no key
+            if HAS_MAX_LOGITS:  # (sparse prefill: s_q 1, never split) max of q·k·sm_scale, -inf for no
+                # key; NaN scores are skipped by the max and show in l_i (prefill.reference.max_logits_rule)
                 gl.store(
                     ml_ptr + req.to(gl.int64) * stride_mlb + heads_s * stride_mlh,
-                    m_i * 0.6931471805599453,
+                    gl.where((l_i != l_i) & (m_i != float("inf")), float("nan"), m_i * 0.6931471805599453),
                     mask=hmask_s,
                 )
         else:
@@ -566,6 +632,7 @@ def _consumer_narrow(
     qr_smem,
     p_smem,
     ring,
+    KV_BF16: gl.constexpr,
     IS_V32: gl.constexpr,
     HAS_EXTRA: gl.constexpr,
     HAS_SINK: gl.constexpr,
@@ -629,6 +696,10 @@ def _consumer_narrow(
             stage = it % 2
             phase = (it // 2) & 1
             mbarrier.wait(ready_bars.index(stage), phase)
+            if KV_BF16:
+                # the stage was written by cp.async (generic proxy) and is read by wgmma (async
+                # proxy); the writers cannot fence after their copies land, so the reader does
+                fence_async_shared()
             if PROFILE == 1:  # PROFILE_PRODUCER_ONLY
                 gl.thread_barrier()
                 mbarrier.arrive(empty_bars.index(stage), count=1)
@@ -676,7 +747,9 @@ def _consumer_narrow(
             gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads * stride_lh + sq * stride_ls, lse_v, mask=hmask)
             if HAS_MAX_LOGITS:
                 gl.store(
-                    ml_ptr + req.to(gl.int64) * stride_mlb + heads * stride_mlh, m_i * 0.6931471805599453, mask=hmask
+                    ml_ptr + req.to(gl.int64) * stride_mlb + heads * stride_mlh,
+                    gl.where((l_i != l_i) & (m_i != float("inf")), float("nan"), m_i * 0.6931471805599453),
+                    mask=hmask,
                 )
         else:
             row = (split_base + split).to(gl.int64)
@@ -709,6 +782,7 @@ def _consumer(
     qr_smem,
     p_smem,
     ring,
+    KV_BF16: gl.constexpr,
     IS_V32: gl.constexpr,
     HAS_EXTRA: gl.constexpr,
     HAS_SINK: gl.constexpr,
@@ -720,12 +794,12 @@ def _consumer(
     if q_smem.shape[0] == 64:
         _consumer_wide(
             q, sink_ptr, sched, out, lse, o_acc, lse_acc, max_logits, scale_log2, h_q, q_smem, qr_smem, p_smem,
-            ring, IS_V32, HAS_EXTRA, HAS_SINK, HAS_MAX_LOGITS, PROFILE,
+            ring, KV_BF16, IS_V32, HAS_EXTRA, HAS_SINK, HAS_MAX_LOGITS, PROFILE,
         )  # fmt: skip
     else:
         _consumer_narrow(
             q, sink_ptr, sched, out, lse, o_acc, lse_acc, max_logits, scale_log2, h_q, q_smem, qr_smem, p_smem,
-            ring, IS_V32, HAS_EXTRA, HAS_SINK, HAS_MAX_LOGITS, PROFILE,
+            ring, KV_BF16, IS_V32, HAS_EXTRA, HAS_SINK, HAS_MAX_LOGITS, PROFILE,
         )  # fmt: skip
 
 
@@ -782,6 +856,7 @@ def _sparse_decode_gluon_kernel(
     stride_mlh,
     scale_log2,
     h_q,
+    KV_BF16: gl.constexpr,
     IS_V32: gl.constexpr,
     HAS_TOPK_LEN: gl.constexpr,
     HAS_EXTRA: gl.constexpr,
@@ -813,8 +888,11 @@ def _sparse_decode_gluon_kernel(
     )
     ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # ready: the producer's one plain arrive, and (KV_BF16 with cp.async) each producer thread's
+    # cp.async arrive (.noinc: counted here) when its copies have landed
+    READY_COUNT: gl.constexpr = 1 + PRODUCER_WARPS * 32 if KV_BF16 and ALIGN >= 4 and PROFILE != 2 else 1
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(ready_bars.index(i), count=READY_COUNT)
         mbarrier.init(empty_bars.index(i), count=1)
 
     sched = (meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr)
@@ -841,6 +919,7 @@ def _sparse_decode_gluon_kernel(
                         qr_smem,
                         p_smem,
                         ring,
+                        KV_BF16,
                         IS_V32,
                         HAS_EXTRA,
                         HAS_SINK,
@@ -857,6 +936,7 @@ def _sparse_decode_gluon_kernel(
                         (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
                         sched,
                         ring,
+                        KV_BF16,
                         IS_V32,
                         HAS_TOPK_LEN,
                         HAS_EXTRA,
@@ -893,6 +973,7 @@ def _sparse_decode_gluon_kernel(
                         qr_smem,
                         p_smem,
                         ring,
+                        KV_BF16,
                         IS_V32,
                         HAS_EXTRA,
                         HAS_SINK,
@@ -909,6 +990,7 @@ def _sparse_decode_gluon_kernel(
                         (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
                         sched,
                         ring,
+                        KV_BF16,
                         IS_V32,
                         HAS_TOPK_LEN,
                         HAS_EXTRA,
@@ -930,6 +1012,7 @@ def _sparse_decode_gluon_kernel(
                         (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
                         sched,
                         ring,
+                        KV_BF16,
                         IS_V32,
                         HAS_TOPK_LEN,
                         HAS_EXTRA,
@@ -964,6 +1047,18 @@ def _record_alignment(raw: torch.Tensor, is_v32: bool, extra: torch.Tensor | Non
     return a
 
 
+def _rows_alignment(kv: torch.Tensor) -> int:
+    """``ALIGN`` of bf16 rows (``KV_BF16``): the largest power of two (at most 16) that divides every
+    row's byte address as Triton can know it: 2 when the base pointer is not 16-byte aligned
+    (Triton specialises a pointer on 16-byte alignment only), else what the row stride allows."""
+    if kv.data_ptr() % 16:
+        return 2
+    v, a = kv.stride(0) * kv.element_size(), 16
+    while v % a:
+        a //= 2
+    return a
+
+
 _DEFAULT_CONFIG = HopperConfig()  # frozen: one validated instance serves every default call
 
 
@@ -977,7 +1072,9 @@ def launch(
     """Launch the warp-specialised kernel, and the combine kernel when some batch is split.
 
     Args:
-        p: a validated, non-empty problem on an sm_90 device (the dispatcher checks, :mod:`.backends`).
+        p: a validated, non-empty problem on an sm_90 device (the dispatcher checks, :mod:`.backends`);
+            its ``k_cache`` may also be bf16 rows ``[s_kv, 1, d_qk]`` (the sparse prefill's ``kv``,
+            :mod:`sparse_mla.prefill.hopper`; no extra cache), indexed by row.
         table: its schedule on ``p.q``'s device, sized for 64-head tiles.
         config: launch parameters (default :class:`HopperConfig`).
         workspace: ``(o_accum, lse_accum)`` of at least ``table.num_acc_rows`` rows
@@ -1002,8 +1099,18 @@ def launch(
         ml = (max_logits, max_logits.stride(0), max_logits.stride(1))
     else:
         ml = (l_acc, 0, 0)  # never written
-    raw = cache_bytes(p.k_cache)
-    pbs = raw.shape[1]
+    kv_bf16 = p.k_cache.dtype == torch.bfloat16
+    if kv_bf16:  # rows [s_kv, 1, d_qk]: (pointer, row stride, -, s_kv, -)
+        assert p.extra_k_cache is None, "bf16 rows: no extra cache"
+        rows = p.k_cache if p.k_cache.shape[0] else q  # s_kv = 0: every index is invalid, nothing is read
+        pbs = 1
+        kv_args = (rows, rows.stride(0), 0, p.k_cache.shape[0], 1)
+        align = _rows_alignment(rows)
+    else:
+        raw = cache_bytes(p.k_cache)
+        pbs = raw.shape[1]
+        kv_args = (raw, raw.stride(0), raw.stride(1) if is_v32 else 576, raw.shape[0] * pbs, pbs)
+        align = _record_alignment(raw, is_v32, p.extra_k_cache)
     pow2 = pbs & (pbs - 1) == 0
     dummy_i32 = table.acc_rows
     if p.extra_k_cache is not None:
@@ -1012,7 +1119,7 @@ def launch(
         xargs = (xraw, xraw.stride(0), xraw.shape[0] * xraw.shape[1], xraw.shape[1], xi, *xi.stride(), xi.shape[2])
         xargs += (p.extra_topk_length if p.extra_topk_length is not None else dummy_i32,)
     else:  # placeholders (never read)
-        xargs = (raw, 0, 0, 1, dummy_i32, 0, 0, 0, 0, dummy_i32)
+        xargs = (kv_args[0], 0, 0, 1, dummy_i32, 0, 0, 0, 0, dummy_i32)
     heads = hopper_head_tile(h_q)
     narrow = heads < BLOCK_H
     grid = (table.num_sm_parts, s_q, -(-h_q // heads))
@@ -1021,11 +1128,7 @@ def launch(
         q.stride(0),
         q.stride(1),
         q.stride(2),
-        raw,
-        raw.stride(0),
-        raw.stride(1) if is_v32 else 576,
-        raw.shape[0] * pbs,
-        pbs,
+        *kv_args,
         p.indices,
         *p.indices.stride(),
         p.indices.shape[2],
@@ -1056,7 +1159,8 @@ def launch(
         h_q,
     )
     consts = dict(
-        ALIGN=_record_alignment(raw, is_v32, p.extra_k_cache),
+        ALIGN=align,
+        KV_BF16=kv_bf16,
         IS_V32=is_v32,
         HAS_TOPK_LEN=p.topk_length is not None,
         HAS_EXTRA=p.extra_k_cache is not None,

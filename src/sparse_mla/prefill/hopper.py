@@ -1,10 +1,13 @@
-"""The sparse prefill from the FP8 paged cache on Hopper: the decode's warp-specialised Gluon
+"""The sparse prefill on Hopper, from either ``kv`` form: the decode's warp-specialised Gluon
 kernel (:mod:`sparse_mla.decode.hopper`) run with every query token as its own request.
 
-A prefill call ``q [s_q, h_q, d_qk]``, ``indices [s_q, 1, topk]`` (cache slots) is a decode call
-with ``b = s_q`` requests of one query token each (``q.unsqueeze(1)``; the indices already have
-the decode's ``[b, s_q, topk]`` shape), under a schedule of one partition per query token that
-splits nothing: each CTA walks the ``ceil(topk / 64)`` blocks of its token for 64 heads and writes
+A prefill call ``q [s_q, h_q, d_qk]``, ``indices [s_q, 1, topk]`` (cache slots, or rows of bf16
+``kv``) is a decode call with ``b = s_q`` requests of one query token each (``q.unsqueeze(1)``;
+the indices already have the decode's ``[b, s_q, topk]`` shape): on the FP8 paged cache the
+kernel's cache producer gathers and dequantises, on bf16 rows ``[s_kv, 1, d_qk]`` its
+``KV_BF16`` producer copies the rows into the K stages with ``cp.async`` (an index ``< 0`` or
+``>= s_kv`` is invalid, as in the other backends). Both run under a schedule of one partition
+per query token that splits nothing: each CTA walks the ``ceil(topk / 64)`` blocks of its token for 64 heads and writes
 ``out``, ``lse`` and ``max_logits`` (the kernel's ``HAS_MAX_LOGITS`` epilogue) directly; no
 combine, no workspace. ``topk_length`` masks indices inside the kernel (the block count is taken
 from ``topk``, so no device value is read on the host and the call is CUDA-graph safe).
@@ -64,12 +67,11 @@ def prefill_table(s_q: int, topk: int, device: torch.device) -> ScheduleTable:
 
 
 def launch(p: PrefillProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run a validated, non-empty prefill whose ``kv`` is the FP8 paged cache on an sm_90 GPU.
+    """Run a validated, non-empty prefill (``kv`` the FP8 paged cache or bf16 rows) on an sm_90 GPU.
 
     Returns:
         ``out [s_q, h_q, 512]`` bf16, ``max_logits [s_q, h_q]`` fp32, ``lse [s_q, h_q]`` fp32.
     """
-    assert p.kv_fp8
     q = p.q
     s_q, h_q, _ = q.shape
     out = q.new_empty((s_q, h_q, p.d_v))

@@ -50,13 +50,21 @@ def _load_bf16_keys(
 
 
 @triton.jit
+def max_logits_out(m_i, l_i):
+    """``max_logits`` in natural units from the running max ``m_i`` (of ``q·k · sm_scale · log2(e)``)
+    and softmax sum ``l_i``, by :func:`.reference.max_logits_rule`: the max skips NaN scores, and a
+    NaN (or ``+inf``) score turns ``l_i`` NaN, so a NaN sum under a max below ``+inf`` means NaN."""
+    nan = (l_i != l_i) & (m_i != float("inf"))
+    return tl.where(nan, float("nan"), m_i * 0.6931471805599453)
+
+
+@triton.jit
 def _prefill_step(
     q_main,
     q_tail,
     m_i,
     l_i,
     acc,
-    bad,
     kv_bf16,
     cache,
     sel,
@@ -75,7 +83,7 @@ def _prefill_step(
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """One BLOCK_N-index step of the online softmax; returns the updated (m, l, acc, bad)."""
+    """One BLOCK_N-index step of the online softmax; returns the updated (m, l, acc)."""
     if KV_FP8:
         k_main, k_tail, valid = _load_block_keys(
             cache,
@@ -101,16 +109,13 @@ def _prefill_step(
     if IS_V32:
         s += tl.dot(q_tail, tl.trans(k_tail), input_precision=DOT_PREC)
     s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-    # a NaN score makes the row's max_logits NaN (tl.max skips NaN; out and lse turn NaN by
-    # themselves through p)
-    bad = bad | (tl.max((s != s).to(tl.int32), axis=1) > 0)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = tl.dot(p.to(DOT_DTYPE), k_main, acc=acc * alpha[:, None], input_precision=DOT_PREC)
-    return m_new, l_i, acc, bad
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -171,25 +176,23 @@ def _sparse_prefill_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, 512], tl.float32)
-    bad = tl.zeros([BLOCK_H], tl.int1)
     if FOR_LOOP:
         for step in tl.range(0, n_steps, num_stages=NUM_STAGES):
-            m_i, l_i, acc, bad = _prefill_step(
-                q_main, q_tail, m_i, l_i, acc, bad, kv_bf16, cache, sel, i, step * BLOCK_N, n_valid, scale_log2,
+            m_i, l_i, acc = _prefill_step(
+                q_main, q_tail, m_i, l_i, acc, kv_bf16, cache, sel, i, step * BLOCK_N, n_valid, scale_log2,
                 KV_FP8, ADDR, IS_V32, D_NOPE, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC,
             )  # fmt: skip
     else:  # interpreter (its range() cannot take loaded bounds with NumPy >= 2.4)
         step = 0
         while step < n_steps:
-            m_i, l_i, acc, bad = _prefill_step(
-                q_main, q_tail, m_i, l_i, acc, bad, kv_bf16, cache, sel, i, step * BLOCK_N, n_valid, scale_log2,
+            m_i, l_i, acc = _prefill_step(
+                q_main, q_tail, m_i, l_i, acc, kv_bf16, cache, sel, i, step * BLOCK_N, n_valid, scale_log2,
                 KV_FP8, ADDR, IS_V32, D_NOPE, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC,
             )  # fmt: skip
             step += 1
 
     o, lse_v = final_out_lse(acc, l_i, m_i, sink_log2, HAS_SINK)
-    # max_logits in natural units: the running max is max(q·k) · sm_scale · log2(e)
-    ml = tl.where(bad, float("nan"), m_i * 0.6931471805599453)
+    ml = max_logits_out(m_i, l_i)
     tl.store(
         out_ptr + i.to(tl.int64) * stride_os + heads[:, None] * stride_oh + cm[None, :],
         o.to(out_ptr.dtype.element_ty),

@@ -8,7 +8,8 @@ softmax(P) · k[:, :d_v]``, then times ``exp(lse) / (exp(lse) + exp(sink))`` whe
 given (lse and max_logits unchanged). A query head with no valid key gets out 0, lse +inf,
 max_logits -inf. Invalid keys are never read, so NaN in unattended rows cannot reach the output.
 Non-finite scores follow the decode contract: a NaN or ``+inf`` score on a valid key makes out and
-lse NaN (max_logits is then NaN or +inf, the max itself).
+lse NaN; max_logits is then ``+inf`` when some valid score is ``+inf``, else NaN
+(:func:`max_logits_rule`: what the kernels' running max gives without tracking NaN per block).
 """
 
 from __future__ import annotations
@@ -39,6 +40,18 @@ def gather_prefill_keys(
     return torch.where(valid.unsqueeze(-1), rows, torch.zeros((), device=rows.device)), valid
 
 
+def max_logits_rule(s: torch.Tensor) -> torch.Tensor:
+    """``max_logits`` of scores ``s [..., t]`` (``-inf`` on invalid keys): the max over the keys;
+    ``-inf`` for no valid key; with non-finite scores ``+inf`` when one is ``+inf``, else NaN when
+    one is NaN (``+inf`` wins over NaN: a kernel's running max skips NaN, and a NaN score shows
+    only through the softmax sum, which ``+inf`` turns NaN as well)."""
+    if not s.shape[-1]:
+        return torch.full(s.shape[:-1], float("-inf"), device=s.device)
+    m = s.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")).amax(dim=-1)
+    nan = torch.isnan(s).any(dim=-1) & (m != float("inf"))
+    return torch.where(nan, torch.full_like(m, float("nan")), m)
+
+
 def sparse_prefill_reference(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -67,7 +80,7 @@ def sparse_prefill_reference(
     k, valid = gather_prefill_keys(kv, indices, topk_length, kv_fp8)
     s = torch.einsum("shd,std->sht", q.float(), k) * sm_scale
     s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    max_logits = s.amax(dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], float("-inf"))
+    max_logits = max_logits_rule(s)
     lse = torch.logsumexp(s, dim=-1)
     lse = torch.where(poisoned_rows(s), torch.full_like(lse, float("nan")), lse)
     lonely = torch.isneginf(lse)

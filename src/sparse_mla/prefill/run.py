@@ -1,7 +1,7 @@
 """Which implementation runs a sparse prefill, and the empty call (stage 2 of the prefill path).
 
-``backend="auto"``: on an sm_90 GPU with ``kv`` the FP8 paged cache, the decode's Gluon kernel
-(:mod:`.hopper`); else the portable Triton kernel where Triton runs the tensors (CUDA, or the CPU
+``backend="auto"``: on an sm_90 GPU (``kv`` the FP8 paged cache or bf16 rows), the decode's Gluon
+kernel (:mod:`.hopper`); else the portable Triton kernel where Triton runs the tensors (CUDA, or the CPU
 under ``TRITON_INTERPRET=1``); else the fp32 PyTorch reference (results rounded to bf16).
 """
 
@@ -19,11 +19,9 @@ PREFILL_BACKENDS = ("hopper", "portable", "reference")
 
 
 def hopper_unsupported(p: PrefillProblem) -> str | None:
-    """Why the ``hopper`` prefill cannot run ``p`` (None when it can)."""
-    why = device_unsupported(p.q.device)
-    if why is None and not p.kv_fp8:
-        return "reads the FP8 paged cache only (kv is bf16 rows here)"
-    return why
+    """Why the ``hopper`` prefill cannot run ``p`` (None when it can): only the device decides
+    (both ``kv`` forms run)."""
+    return device_unsupported(p.q.device)
 
 
 def resolve_prefill_backend(p: PrefillProblem, backend: str = "auto") -> str:

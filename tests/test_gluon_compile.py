@@ -1,0 +1,64 @@
+"""The Hopper kernel compiles for sm_90a on any machine (no GPU): ``scripts/gluon_compile_check.py``
+(Triton's compiler and the ptxas shipped with it) for the bf16-row prefill producer (``KV_BF16``:
+cp.async, and the register fallback for rows that are not 16-byte aligned) beside the FP8
+cache's default variant. The script fails on spills over 256 bytes, no HGMMA or shared memory
+over the limit; these tests also check the producer's copies are there."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gluon_compile_check.py")
+
+
+def _ptxas() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    p = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return p if os.path.exists(p) else None
+
+
+pytestmark = pytest.mark.skipif(_ptxas() is None, reason="needs Triton's bundled ptxas")
+
+
+def run_check(*args: str, tmp_path) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run(
+        [sys.executable, SCRIPT, *args, "--dump", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK"), r.stdout + r.stderr
+    return r.stdout
+
+
+def count(report: str, what: str) -> int:
+    m = re.search(r"^\s+" + re.escape(what) + r"\s+(\d+)$", report, re.M)
+    assert m, f"{what!r} not in the report"
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("model1, copies", [(False, 36), (True, 32)])
+def test_bf16_rows_producer_compiles_with_cp_async(model1, copies, tmp_path):
+    # 16-byte copies per thread: 32 for the [64, 512] NoPE tile, 4 for the [64, 64] RoPE tile (V32)
+    report = run_check("--bf16-kv", *(["--model1"] if model1 else []), tmp_path=tmp_path)
+    assert count(report, "ptx cp.async.cg.shared.global") == copies
+    assert count(report, "sass LDGSTS.E") == copies
+    assert count(report, "ptx cp.async.mbarrier.arrive") == 1
+
+
+def test_bf16_rows_register_fallback_compiles(tmp_path):
+    report = run_check("--bf16-kv", "--align", "2", tmp_path=tmp_path)
+    assert count(report, "sass LDGSTS.E") == 0
+
+
+def test_fp8_cache_kernel_compiles_without_cp_async(tmp_path):
+    report = run_check(tmp_path=tmp_path)
+    assert count(report, "sass LDGSTS.E") == 0 and count(report, "ptx cvt.rn.f16x2.e4m3x2") > 0
