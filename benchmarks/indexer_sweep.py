@@ -106,6 +106,8 @@ def sweep_topk(quick: bool, rows: list) -> None:
         dict(bits=bits, block=block, num_warps=w)
         for bits, (block, w) in itertools.product((4, 8), ((1024, 4), (2048, 4), (4096, 8), (2048, 8)))
     ]
+    # the candidate-list variant (8-bit digits): capacity per row of the k-th key's 16-bit bucket
+    configs += [dict(bits=8, block=2048, num_warps=4, compact=c) for c in (2048, 8192)]
     for cfg, kk in itertools.product(configs, (k,)):
 
         def check(cfg=cfg, kk=kk):

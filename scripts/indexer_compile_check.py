@@ -44,6 +44,7 @@ PTRS = {
     "hi_ptr": "*i64",
     "dst_ptr": "*i64",
     "scr_ptr": "*i64",
+    "cand_ptr": "*i64",
 }
 UNIT = {"stride_wh", "stride_qh"}  # may be 1 at run time; keep them plain i32
 
@@ -72,9 +73,10 @@ def cases(arch: int):
     consts = dict(D=128, BQ=bq, H_P2=h_p2, BLOCK_N=fc["block_n"], NUM_STAGES=fc["num_stages"], **dot)
     yield "prefill H=64 D=128", K._mqa_logits_kernel, consts, fc["num_warps"]
     tc = K.TOPK_CONFIG
-    topk = dict(BLOCK=tc["block"], BITS=tc["bits"], K_P2=2048, SLOTS=False, FOR_LOOP=True)
+    topk = dict(BLOCK=tc["block"], BITS=tc["bits"], K_P2=2048, SLOTS=False, FOR_LOOP=True, COMPACT=False)
     yield "topk k=2048", K._topk_kernel, topk, tc["num_warps"]
-    yield "topk k=2048 8-bit digits", K._topk_kernel, {**topk, "BITS": 8}, tc["num_warps"]
+    yield "topk k=2048 4-bit digits", K._topk_kernel, {**topk, "BITS": 4}, tc["num_warps"]
+    yield "topk k=2048 candidate list", K._topk_kernel, {**topk, "BITS": 8, "COMPACT": True}, tc["num_warps"]
     yield "topk slots k=2048", K._topk_kernel, {**topk, "SLOTS": True}, tc["num_warps"]
 
 

@@ -388,17 +388,30 @@ def test_topk_random_rows_with_ties_match_twin(n, k, dtype):
 
 
 @pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("n, k, bits, block", [(5000, 300, 4, 1024), (3000, 64, 4, 256), (700, 40, 2, 512)])
-def test_topk_kernel_configs_match_twin(n, k, bits, block):
+@pytest.mark.parametrize(
+    "n, k, cfg",
+    [
+        (5000, 300, {"bits": 4, "block": 1024}),
+        (3000, 64, {"bits": 4, "block": 256}),
+        (700, 40, {"bits": 2, "block": 512}),
+        (3000, 100, {"compact": 64, "block": 512}),
+        (3000, 100, {"compact": 4096, "block": 256}),
+    ],
+)
+def test_topk_kernel_configs_match_twin(n, k, cfg):
     # other digit widths than the default 8 bits (4-bit digits: 8 passes of 16 bins; 2-bit: 16
-    # passes) and steps of BLOCK entries that straddle lo and hi
+    # passes), steps of BLOCK entries that straddle lo and hi, and the candidate-list variant
+    # (compact: its 16-bit bucket gathered when it fits in the capacity, the row passes when not:
+    # the tied rows hold buckets of every size)
     from sparse_mla.indexer.kernels import launch_topk
 
     x, lo, hi = _tied_rows(n, k)
+    x[5:] = torch.randn(2, n) * 3  # rows of distinct values: small buckets
     x, lo, hi = x.to(DEVICE), lo.to(DEVICE).clamp(0, n), hi.to(DEVICE).clamp(0, n)
     hi = torch.maximum(hi, lo)
+    hi[5] = n
     out = torch.empty(x.shape[0], k, dtype=torch.int32, device=DEVICE)
-    launch_topk(x, lo, hi, out, k, k, config={"bits": bits, "block": block})
+    launch_topk(x, lo, hi, out, k, k, config=cfg)
     assert torch.equal(out.cpu(), topk_indices_reference(x.cpu(), k, lo.cpu(), hi.cpu()))
 
 

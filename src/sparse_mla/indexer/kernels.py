@@ -416,32 +416,113 @@ def _digit_hist(hist, valid, ukey, prefix, SHIFT: tl.constexpr, BITS: tl.constex
 @triton.jit
 def _pick_digit(hist, prefix, rem, BITS: tl.constexpr):
     """The digit ``d`` holding the ``rem``-th largest key of ``hist``: ``(prefix << BITS | d, rem -
-    count above d)``."""
+    count above d, count at d)``."""
     at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # count with digit >= d
     d = tl.sum((at_or_above >= rem).to(tl.int32), axis=0) - 1
     bins = tl.arange(0, 1 << BITS)
     above = tl.sum(tl.where(bins > d, hist, 0), axis=0)
-    return (prefix << BITS) | d.to(tl.uint32), rem - above
+    at = tl.sum(tl.where(bins == d, hist, 0), axis=0)
+    return (prefix << BITS) | d.to(tl.uint32), rem - above, at
+
+
+@triton.jit
+def _cand_chunk(cand, start, n_c, BLOCK: tl.constexpr):
+    """Entries ``[start, start + BLOCK)`` of a candidate list of rank keys (``n_c`` long) as
+    ``_row_chunk`` gives a row's: ``(pos, valid, key, ukey)``."""
+    i = start + tl.arange(0, BLOCK)
+    valid = i < n_c
+    comp = tl.load(cand + i, mask=valid, other=0)
+    hi32 = comp >> 32
+    key = hi32.to(tl.int32)
+    pos = (4294967295 - (comp - (hi32 << 32))).to(tl.int32)
+    ukey = (key ^ -2147483648).to(tl.uint32, bitcast=True)
+    return pos, valid, key, ukey
+
+
+@triton.jit
+def _chunk(src, start, lo, hi, CAND: tl.constexpr, BLOCK: tl.constexpr):
+    """A step of ``BLOCK`` entries of the row (``src`` its logits, ``[lo, hi)``) or of the candidate
+    list (``CAND``: ``src`` its rank keys, ``hi`` its length)."""
+    if CAND:
+        return _cand_chunk(src, start, hi, BLOCK)
+    else:
+        return _row_chunk(src, start, lo, hi, BLOCK)
 
 
 @triton.jit
 def _radix_pass(
-    row_ptr, lo, hi, c_lo, prefix, rem, SHIFT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-    FOR_LOOP: tl.constexpr,
+    src, lo, hi, c_lo, prefix, rem, SHIFT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    FOR_LOOP: tl.constexpr, CAND: tl.constexpr = False,
 ):  # fmt: skip
-    """One digit of the select over the row in global memory, ``BLOCK`` entries a step."""
+    """One digit of the select over the row (or the candidate list) in global memory, ``BLOCK``
+    entries a step: ``(prefix << BITS | d, rem - count above d, count at d)``."""
     hist = tl.zeros([1 << BITS], tl.int32)
     if FOR_LOOP:
         for start in tl.range(c_lo, hi, BLOCK, num_stages=2):
-            _pos, valid, _key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+            _pos, valid, _key, ukey = _chunk(src, start, lo, hi, CAND, BLOCK)
             hist = _digit_hist(hist, valid, ukey, prefix, SHIFT, BITS)
     else:
         start = c_lo
         while start < hi:
-            _pos, valid, _key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+            _pos, valid, _key, ukey = _chunk(src, start, lo, hi, CAND, BLOCK)
             hist = _digit_hist(hist, valid, ukey, prefix, SHIFT, BITS)
             start += BLOCK
     return _pick_digit(hist, prefix, rem, BITS)
+
+
+@triton.jit
+def _select_pass(
+    src, lo, hi, c_lo, kth, need_eq, n_gt, scr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr,
+    CAND: tl.constexpr = False,
+):  # fmt: skip
+    """Every entry above ``kth`` and the first ``need_eq`` equal to it, as rank keys into ``scr``
+    from slot ``n_gt`` on."""
+    n_gt = n_gt + tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
+    if FOR_LOOP:
+        for start in tl.range(c_lo, hi, BLOCK, num_stages=2):
+            pos, valid, key, ukey = _chunk(src, start, lo, hi, CAND, BLOCK)
+            n_gt, n_eq = _select_keys(pos, valid, key, ukey, kth, need_eq, n_gt, n_eq, scr)
+    else:
+        start = c_lo
+        while start < hi:
+            pos, valid, key, ukey = _chunk(src, start, lo, hi, CAND, BLOCK)
+            n_gt, n_eq = _select_keys(pos, valid, key, ukey, kth, need_eq, n_gt, n_eq, scr)
+            start += BLOCK
+    return n_gt
+
+
+@triton.jit
+def _compact_pass(row_ptr, lo, hi, c_lo, prefix16, scr, cand, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr):
+    """The entries whose top 16 key bits are above ``prefix16`` (all in the top k) as rank keys into
+    ``scr``, those equal to it into the candidate list ``cand`` (in position order); returns both
+    counts."""
+    n_gt = tl.zeros([], tl.int32)
+    n_c = tl.zeros([], tl.int32)
+    if FOR_LOOP:
+        for start in tl.range(c_lo, hi, BLOCK, num_stages=2):
+            pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+            n_gt, n_c = _split_keys(pos, valid, key, ukey, prefix16, n_gt, n_c, scr, cand)
+    else:
+        start = c_lo
+        while start < hi:
+            pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+            n_gt, n_c = _split_keys(pos, valid, key, ukey, prefix16, n_gt, n_c, scr, cand)
+            start += BLOCK
+    return n_gt, n_c
+
+
+@triton.jit
+def _split_keys(pos, valid, key, ukey, prefix16, n_gt, n_c, scr, cand):
+    top = ukey >> 16
+    gt = valid & (top > prefix16)
+    eq = valid & (top == prefix16)
+    comp = key.to(tl.int64) * 4294967296 + (4294967295 - pos.to(tl.int64))
+    gi = gt.to(tl.int32)
+    ei = eq.to(tl.int32)
+    tl.store(scr + n_gt + tl.cumsum(gi, axis=0) - gi, comp, mask=gt)
+    tl.store(cand + n_c + tl.cumsum(ei, axis=0) - ei, comp, mask=eq)
+    return n_gt + tl.sum(gi, axis=0), n_c + tl.sum(ei, axis=0)
 
 
 @triton.jit
@@ -463,12 +544,17 @@ def _select_keys(pos, valid, key, ukey, kth, need_eq, n_gt, n_eq, dst):
 @triton.jit
 def _topk_kernel(
     x_ptr, stride_xr, lo_ptr, hi_ptr, scr_ptr, stride_sr, out_ptr, stride_or, n, k,
-    bt_ptr, stride_bt, n_log, pbs, next_n,
+    bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr, cap,
     BLOCK: tl.constexpr, BITS: tl.constexpr, K_P2: tl.constexpr, SLOTS: tl.constexpr, FOR_LOOP: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(rows,)``: ``out[r, :min(k, K_P2)]`` = row ``r``'s best positions in rank order
     (``-1`` past its ``min(k, hi - lo)`` candidates), or with ``SLOTS`` their cache slots through
-    ``block_table[r // next_n]`` (``-1`` where a position has none). ``scr[r, :K_P2]``: scratch."""
+    ``block_table[r // next_n]`` (``-1`` where a position has none). ``scr[r, :K_P2]``: scratch.
+    ``COMPACT`` (8-bit digits): after the two passes that fix the k-th key's top 16 bits, one pass
+    writes the entries above that bucket and gathers the bucket's entries into ``cand[r, :cap]``
+    when they fit, and the last two digits and the final select read only those; a larger bucket
+    takes the row passes."""
     r = tl.program_id(0)
     row_ptr = x_ptr + r.to(tl.int64) * stride_xr
     lo = tl.minimum(tl.maximum(tl.load(lo_ptr + r), 0), n).to(tl.int32)
@@ -479,21 +565,27 @@ def _topk_kernel(
         c_lo = (lo // BLOCK) * BLOCK
         prefix = tl.zeros([], tl.uint32)
         rem = kk
-        for p in tl.static_range(32 // BITS):
-            prefix, rem = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 32 - BITS * (p + 1), BITS, BLOCK, FOR_LOOP)
-        # prefix: the k-th best key; rem: how many entries equal to it belong to the top k
-        n_gt = tl.zeros([], tl.int32)
-        n_eq = tl.zeros([], tl.int32)
-        if FOR_LOOP:
-            for start in tl.range(c_lo, hi, BLOCK, num_stages=2):
-                pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
-                n_gt, n_eq = _select_keys(pos, valid, key, ukey, prefix, rem, n_gt, n_eq, scr)
+        if COMPACT:
+            prefix, rem, _at = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 24, 8, BLOCK, FOR_LOOP)
+            prefix, rem, at = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 16, 8, BLOCK, FOR_LOOP)
+            if at <= cap:
+                cand = cand_ptr + r.to(tl.int64) * stride_cr
+                n_gt, n_c = _compact_pass(row_ptr, lo, hi, c_lo, prefix, scr, cand, BLOCK, FOR_LOOP)
+                tl.debug_barrier()  # the candidate list's stores before its loads
+                prefix, rem, _at = _radix_pass(cand, 0, n_c, 0, prefix, rem, 8, 8, BLOCK, FOR_LOOP, True)
+                prefix, rem, _at = _radix_pass(cand, 0, n_c, 0, prefix, rem, 0, 8, BLOCK, FOR_LOOP, True)
+                _select_pass(cand, 0, n_c, 0, prefix, rem, n_gt, scr, BLOCK, FOR_LOOP, True)
+            else:
+                prefix, rem, _at = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 8, 8, BLOCK, FOR_LOOP)
+                prefix, rem, _at = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, 8, BLOCK, FOR_LOOP)
+                _select_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, scr, BLOCK, FOR_LOOP)
         else:
-            start = c_lo
-            while start < hi:
-                pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
-                n_gt, n_eq = _select_keys(pos, valid, key, ukey, prefix, rem, n_gt, n_eq, scr)
-                start += BLOCK
+            for p in tl.static_range(32 // BITS):
+                prefix, rem, _at = _radix_pass(
+                    row_ptr, lo, hi, c_lo, prefix, rem, 32 - BITS * (p + 1), BITS, BLOCK, FOR_LOOP
+                )
+            # prefix: the k-th best key; rem: how many entries equal to it belong to the top k
+            _select_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, scr, BLOCK, FOR_LOOP)
     tl.debug_barrier()  # every thread's scratch stores before any thread's loads
     rank = tl.arange(0, K_P2)
     top = tl.load(scr + rank, mask=rank < kk, other=-9223372036854775808)
@@ -511,9 +603,10 @@ def _topk_kernel(
 
 
 #: launch parameters of the top-k: ``bits`` per radix pass (a power of two up to 16), ``block`` row
-#: entries a step, ``num_warps``. The H200 sweep (``benchmarks/indexer_sweep.py --only topk``, 256 x
+#: entries a step, ``num_warps``, ``compact`` (8-bit digits: the candidate list's capacity per row, 0
+#: = off; prepared in session 6, not yet measured). The H200 sweep (``benchmarks/indexer_sweep.py --only topk``, 256 x
 #: 32K, k 2048): 8-bit digits, 2048 entries, 4 warps 320 us; 4-bit digits at best 334 us (8 warps)
-TOPK_CONFIG = dict(bits=8, block=2048, num_warps=4)
+TOPK_CONFIG = dict(bits=8, block=2048, num_warps=4, compact=0)
 
 
 def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_n=1, config=None) -> None:
@@ -524,20 +617,26 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     contiguous, ``b = rows / next_n``) the positions become cache slots as
     :func:`sparse_mla.serving.reference.abs_indices_to_kvcache_indices` maps them."""
     require_runnable(
-        _topk_kernel, logits.device, _key32, _row_chunk, _digit_hist, _pick_digit, _radix_pass, _select_keys
-    )
+        _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
+        _radix_pass, _select_pass, _compact_pass, _split_keys, _select_keys,
+    )  # fmt: skip
     cfg = {**TOPK_CONFIG, **(config or {})}
     if cfg["bits"] not in (1, 2, 4, 8, 16):
         raise ValueError(f"config: bits must divide 32 (a power of two up to 16), got {cfg['bits']!r}")
+    cap = int(cfg["compact"])
+    if cap and cfg["bits"] != 8:
+        raise ValueError(f"config: compact needs 8-bit digits, got bits={cfg['bits']!r}")
     rows, n = logits.shape
     k_p2 = triton.next_power_of_2(kk)
     scratch = torch.empty((rows, k_p2), dtype=torch.int64, device=logits.device)
     block = min(cfg["block"], max(triton.next_power_of_2(n), 256))
     slots = table is not None
     bt = table if slots else lo
+    cand = torch.empty((rows, cap), dtype=torch.int64, device=logits.device) if cap else scratch
     _topk_kernel[(rows,)](
         logits, logits.stride(0), lo, hi, scratch, scratch.stride(0), out, out.stride(0), n, k,
         bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
-        BLOCK=block, BITS=cfg["bits"], K_P2=k_p2, SLOTS=slots, FOR_LOOP=not interpreting(),
+        cand, cand.stride(0), cap,
+        BLOCK=block, BITS=cfg["bits"], K_P2=k_p2, SLOTS=slots, FOR_LOOP=not interpreting(), COMPACT=cap > 0,
         num_warps=cfg["num_warps"],
     )  # fmt: skip
