@@ -624,6 +624,8 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     if cfg["bits"] not in (1, 2, 4, 8, 16):
         raise ValueError(f"config: bits must divide 32 (a power of two up to 16), got {cfg['bits']!r}")
     cap = int(cfg["compact"])
+    if cap < 0:
+        raise ValueError(f"config: compact must be >= 0 (0 = off), got {cap}")
     if cap and cfg["bits"] != 8:
         raise ValueError(f"config: compact needs 8-bit digits, got bits={cfg['bits']!r}")
     rows, n = logits.shape
