@@ -236,6 +236,13 @@ def main() -> int:
     r = subprocess.run(
         [os.path.join(BIN, "ptxas"), "-arch=sm_90a", "-v", ptx_path, "-o", cubin], capture_output=True, text=True
     )
+    if "Unsupported .version" in r.stderr and os.path.exists(os.path.join(BIN, "ptxas-blackwell")):
+        # newer Triton (3.9) emits PTX that only its bundled CUDA 13 ptxas reads
+        r = subprocess.run(
+            [os.path.join(BIN, "ptxas-blackwell"), "-arch=sm_90a", "-v", ptx_path, "-o", cubin],
+            capture_output=True,
+            text=True,
+        )
     print("ptxas rc", r.returncode)
     ok = r.returncode == 0
     for line in r.stderr.splitlines():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,3 +104,8 @@ def test_int32_overflow_and_empty_batch(fn):
     assert r.tolist() == [[[2**30 + 3]]]
     r = conv(torch.zeros(0, 1, 4, dtype=torch.int32, device=dev), torch.zeros(0, 2, dtype=torch.int32, device=dev), 16)
     assert r.shape == (0, 1, 4)
+    # int64 table entries whose product with the page size overflows int64 itself (2^62 * 16 wraps to
+    # 0, (2^63 - 1) * 16 to -16): still no slot; the last int32 slot exactly is one; a NumPy page size
+    big = torch.tensor([[2**62, 2**63 - 1, 2**60, (2**31 - 1) // 16]], dtype=torch.int64, device=dev)
+    idx = torch.tensor([[[0, 16, 32, 48, 63]]], dtype=torch.int32, device=dev)
+    assert conv(idx, big, np.int64(16)).tolist() == [[[-1, -1, -1, 2**31 - 16, 2**31 - 1]]]

@@ -5,6 +5,7 @@ Triton's interpreter on the CPU."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import check_decode_close, triton_interpret_enabled
@@ -437,6 +438,14 @@ def test_topk_kvcache_indices_match_twin_at_the_table_edges(pbs, next_n, k):
     assert got.shape == (b, next_n, k) and got.dtype == torch.int32
     assert torch.equal(got.cpu(), want)
     assert (want == -1).any() and (want >= 0).any()
+    # int64 entries whose product with the page size overflows int64 (2^62 * 64 wraps to 0): no slot
+    big = table.long()
+    big[2, :] = 2**62
+    got_big = flash_mla.topk_kvcache_indices(
+        logits.to(DEVICE), k, big.to(DEVICE), np.int64(pbs), next_n, row_ends=ends.to(DEVICE)
+    )
+    assert torch.equal(got_big.cpu(), abs_indices_to_kvcache_indices(pos, big, pbs))
+    assert (got_big[2] == -1).all()
     # the table as a strided view (every other column of a wider one)
     wide = torch.zeros(b, 2 * nlog, dtype=torch.int32)
     wide[:, ::2] = table
@@ -565,6 +574,12 @@ def _bad_calls():
     )
     yield "max_context_len: expected an int", ValueError, paged, (qp, cache, torch.ones(4, 4), ctx, bt, meta, -1)
     yield "k: expected an int in", ValueError, flash_mla.topk_indices, (torch.zeros(2, 5), 0)
+    yield (
+        "logits: expected a CPU or CUDA tensor",
+        ValueError,
+        flash_mla.topk_indices,
+        (torch.empty(2, 5, device="meta"), 3),
+    )
     yield "k: expected an int in", ValueError, flash_mla.topk_indices, (torch.zeros(2, 5), 2**62)
     yield "max_context_len: expected an int", ValueError, paged, (qp, cache, torch.ones(4, 4), ctx, bt, meta, 10**30)
     yield (

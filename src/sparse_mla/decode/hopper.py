@@ -95,6 +95,12 @@ __all__ = [
     "PROFILE_CACHED_TOKEN",
 ]
 
+# Gluon names that changed after Triton 3.6 (the device's version): the CTA barrier
+# (gl.thread_barrier -> gl.barrier) and the cp.async copy (async_copy_global_to_shared ->
+# async_load, same arguments). Triton 3.9 compiles every variant offline (not run on a GPU).
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
 BLOCK_H = 64  # heads per CTA (wgmma M)
 BLOCK_N = 64  # tokens per block (= scheduler block)
 D_NOPE = gl.constexpr(512)
@@ -292,7 +298,7 @@ def _stage_block(raw, sc, rope, vmask, ring, stage, phase, IS_V32: gl.constexpr,
     mask_smem.index(stage).store(vmask)
     # make the generic-proxy stores visible to wgmma (async proxy), then signal
     fence_async_shared()
-    gl.thread_barrier()
+    _cta_barrier()
     mbarrier.arrive(ready_bars.index(stage), count=1)
 
 
@@ -328,9 +334,9 @@ def _copy_block(idx8, rows, ring, stage, phase, IS_V32: gl.constexpr, ALIGN: gl.
     # wait for the consumer to free this stage (first lap passes: phase starts at 1)
     mbarrier.wait(empty_bars.index(stage), phase ^ 1)
     if ALIGN >= 4:
-        async_copy.async_copy_global_to_shared(k_smem.index(stage), src + cols, mask=vb)
+        _async_load(k_smem.index(stage), src + cols, mask=vb)
         if IS_V32:
-            async_copy.async_copy_global_to_shared(kr_smem.index(stage), src + D_NOPE + colsr, mask=vb)
+            _async_load(kr_smem.index(stage), src + D_NOPE + colsr, mask=vb)
         async_copy.mbarrier_arrive(ready_bars.index(stage), increment_count=False)
         mask_smem.index(stage).store(vmask)
     else:
@@ -341,7 +347,7 @@ def _copy_block(idx8, rows, ring, stage, phase, IS_V32: gl.constexpr, ALIGN: gl.
             kr_smem.index(stage).store(gl.load(src + D_NOPE + colsr, mask=vb, other=0.0))
         mask_smem.index(stage).store(vmask)
         fence_async_shared()
-    gl.thread_barrier()
+    _cta_barrier()
     mbarrier.arrive(ready_bars.index(stage), count=1)
 
 
@@ -431,7 +437,7 @@ def _producer(
             if PROFILE == 2:
                 mbarrier.wait(empty_bars.index(stage), phase ^ 1)
                 fence_async_shared()
-                gl.thread_barrier()
+                _cta_barrier()
                 mbarrier.arrive(ready_bars.index(stage), count=1)
             else:
                 idx8 = idx_next
@@ -531,7 +537,7 @@ def _consumer_wide(
         if IS_V32:
             qr_smem.store(gl.load(qrow + D_NOPE, mask=qmask, other=0.0))
         fence_async_shared()
-        gl.thread_barrier()
+        _cta_barrier()
 
         m_i = gl.full([64], float("-inf"), gl.float32, SROW)
         l_i = gl.zeros([64], gl.float32, SROW)
@@ -545,7 +551,7 @@ def _consumer_wide(
                 # proxy); the writers cannot fence after their copies land, so the reader does
                 fence_async_shared()
             if PROFILE == 1:  # PROFILE_PRODUCER_ONLY
-                gl.thread_barrier()
+                _cta_barrier()
                 mbarrier.arrive(empty_bars.index(stage), count=1)
             else:
                 kbuf = k_smem.index(stage)
@@ -566,10 +572,10 @@ def _consumer_wide(
                 # barrier, so P can be overwritten without another barrier here
                 p_smem.store(p.to(gl.bfloat16))
                 fence_async_shared()
-                gl.thread_barrier()
+                _cta_barrier()
                 acc = warpgroup_mma(p_smem, kbuf, acc)
                 # both warpgroups finished their PV wgmma on this stage -> release it to the producer
-                gl.thread_barrier()
+                _cta_barrier()
                 mbarrier.arrive(empty_bars.index(stage), count=1)
             it += 1
 
@@ -687,7 +693,7 @@ def _consumer_narrow(
         if IS_V32:
             qr_smem.store(gl.load(qrow + D_NOPE, mask=qmask, other=0.0))
         fence_async_shared()
-        gl.thread_barrier()
+        _cta_barrier()
 
         m_i = gl.full([HEADS], float("-inf"), gl.float32, SCOL)
         l_i = gl.zeros([HEADS], gl.float32, SCOL)
@@ -701,7 +707,7 @@ def _consumer_narrow(
                 # proxy); the writers cannot fence after their copies land, so the reader does
                 fence_async_shared()
             if PROFILE == 1:  # PROFILE_PRODUCER_ONLY
-                gl.thread_barrier()
+                _cta_barrier()
                 mbarrier.arrive(empty_bars.index(stage), count=1)
             else:
                 kbuf = k_smem.index(stage)
@@ -719,9 +725,9 @@ def _consumer_narrow(
                 acc = acc * gl.expand_dims(alpha, 0)
                 p_smem.store(p.to(gl.bfloat16))
                 fence_async_shared()
-                gl.thread_barrier()
+                _cta_barrier()
                 acc = warpgroup_mma(kbuf.permute([1, 0]), p_smem, acc)
-                gl.thread_barrier()
+                _cta_barrier()
                 mbarrier.arrive(empty_bars.index(stage), count=1)
             it += 1
 

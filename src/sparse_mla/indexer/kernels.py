@@ -597,8 +597,10 @@ def _topk_kernel(
         ok = (res >= 0) & (lb < n_log)
         bt_row = bt_ptr + (r // next_n).to(tl.int64) * stride_bt
         phys = tl.load(bt_row + tl.where(ok, lb, 0), mask=ok, other=-1).to(tl.int64)
-        slot = phys * pbs + res % pbs
-        res = tl.where(ok & (phys >= 0) & (slot <= 2147483647), slot, -1)
+        off = res - lb * pbs
+        # past int32 is no slot: tested before the product (an int64 entry near 2^63 would wrap)
+        ok = ok & (phys >= 0) & (phys <= (2147483647 - off) // pbs)
+        res = tl.where(ok, phys * pbs + off, -1)
     tl.store(out_ptr + r.to(tl.int64) * stride_or + rank, res.to(tl.int32), mask=rank < k)
 
 

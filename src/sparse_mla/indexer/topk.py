@@ -90,6 +90,8 @@ def _topk(
     """:func:`topk_indices` after its ``k`` check; with ``table`` the positions are mapped to cache
     slots (``[rows, k]``; the caller checked ``table``, ``page_block_size`` and ``next_n``)."""
     check_tensor_arg(logits, "logits", (torch.float32, torch.float16, torch.bfloat16), 2)
+    if logits.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"logits: expected a CPU or CUDA tensor, got one on {logits.device}")
     rows, n = logits.shape
     dev = logits.device
     lo = _check_range(row_starts, "row_starts", rows, dev)
@@ -170,6 +172,7 @@ def topk_kvcache_indices(
         raise ValueError(f"logits: rows ({rows}) must be b * next_n with next_n={next_n}")
     b = rows // next_n
     check_block_table(block_table, b, logits.device, page_block_size)
+    page_block_size = int(page_block_size)  # (a NumPy integer passes the check)
     table = block_table if block_table.shape[1] < 2 or block_table.stride(1) == 1 else block_table.contiguous()
     out = _topk(logits, int(k), row_starts, row_ends, table, page_block_size, int(next_n))
     return out.view(b, int(next_n), int(k))

@@ -3,6 +3,8 @@ the custom ops (pure PyTorch: importing this module imports no Triton)."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..formats import (
@@ -83,7 +85,11 @@ def check_block_table(block_table: torch.Tensor, b: int, device: torch.device, p
     ``page_block_size`` an int in ``[1, 2^31 - 1]``."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
         raise TypeError("block_table: expected an int32 tensor [b, max_blocks_per_seq]")
-    if isinstance(page_block_size, bool) or not isinstance(page_block_size, int) or not 0 < page_block_size < 2**31:
+    if (
+        isinstance(page_block_size, bool)
+        or not isinstance(page_block_size, numbers.Integral)
+        or not 0 < page_block_size < 2**31
+    ):
         raise ValueError(f"page_block_size: expected an int in [1, 2^31 - 1], got {page_block_size!r}")
     if block_table.dim() != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table: expected shape [b={b}, max_blocks_per_seq], got {list(block_table.shape)}")

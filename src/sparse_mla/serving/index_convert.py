@@ -54,9 +54,11 @@ def _abs_to_cache_kernel(
     lb = tl.where(nonneg, t, 0) // pbs
     ok = nonneg & (lb < n_log)
     phys = tl.load(bt_ptr + bi * stride_tb + lb * stride_tn, mask=cmask & ok, other=-1).to(tl.int64)
-    ok = ok & (phys >= 0)
-    res = phys * pbs + (t - lb * pbs)
-    res = tl.where(ok & (res <= 2147483647), res, -1)  # past int32 is no slot (must not wrap)
+    off = t - lb * pbs
+    # a negative block is no slot, nor is one past int32 (tested before the product, which an
+    # int64 table entry near 2^63 would wrap into a valid-looking slot)
+    ok = ok & (phys >= 0) & (phys <= (2147483647 - off) // pbs)
+    res = tl.where(ok, phys * pbs + off, -1)
     tl.store(out_ptr + bi * stride_ob + si * stride_os + cols * stride_ot, res.to(tl.int32), mask=cmask)
 
 
@@ -85,6 +87,7 @@ def abs_indices_to_kvcache_indices_triton(
         TypeError / ValueError: wrong dtypes, shapes, devices, ``page_block_size`` or ``out``.
     """
     check_abs_index_args(abs_indices, block_table, page_block_size)
+    page_block_size = int(page_block_size)  # (a NumPy integer passes the check)
     b, s_q, topk = abs_indices.shape
     if out is None:
         out = torch.empty(b, s_q, topk, dtype=torch.int32, device=abs_indices.device)

@@ -92,7 +92,9 @@ def abs_indices_to_kvcache_indices(
     ok = (t >= 0) & (lb < nlog)
     lb_safe = torch.where(ok, lb, torch.zeros_like(lb)).reshape(t.shape[0], t.shape[1] * t.shape[2])
     phys = torch.gather(block_table.long(), 1, lb_safe).view_as(t) if nlog > 0 else torch.zeros_like(t)
-    ok = ok & (phys >= 0)
-    res = phys * page_block_size + t % page_block_size
-    ok = ok & (res <= _INT32_MAX)  # a slot int32 cannot hold is no slot (it must not wrap into a valid one)
+    off = t % page_block_size
+    # a slot int32 cannot hold is no slot (it must not wrap into a valid one); tested before the
+    # product, which an int64 table entry near 2^63 would overflow
+    ok = ok & (phys >= 0) & (phys <= torch.div(_INT32_MAX - off, page_block_size, rounding_mode="floor"))
+    res = torch.where(ok, phys, torch.zeros_like(phys)) * page_block_size + off
     return torch.where(ok, res, torch.full_like(res, -1)).to(torch.int32)
