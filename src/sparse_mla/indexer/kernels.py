@@ -518,27 +518,34 @@ def _split_keys(pos, valid, key, ukey, prefix16, n_gt, n_c, scr, cand):
     gt = valid & (top > prefix16)
     eq = valid & (top == prefix16)
     comp = key.to(tl.int64) * 4294967296 + (4294967295 - pos.to(tl.int64))
-    gi = gt.to(tl.int32)
-    ei = eq.to(tl.int32)
-    tl.store(scr + n_gt + tl.cumsum(gi, axis=0) - gi, comp, mask=gt)
-    tl.store(cand + n_c + tl.cumsum(ei, axis=0) - ei, comp, mask=eq)
-    return n_gt + tl.sum(gi, axis=0), n_c + tl.sum(ei, axis=0)
+    packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # one scan for both counts (as _select_keys)
+    before = tl.cumsum(packed, axis=0) - packed
+    tl.store(scr + n_gt + (before & 0xFFFF), comp, mask=gt)
+    tl.store(cand + n_c + (before >> 16), comp, mask=eq)
+    tot = tl.sum(packed, axis=0)
+    return n_gt + (tot & 0xFFFF), n_c + (tot >> 16)
 
 
 @triton.jit
-def _select_keys(pos, valid, key, ukey, kth, need_eq, n_gt, n_eq, dst):
+def _select_keys(pos, valid, key, ukey, kth, need_eq, n_w, n_eq, dst):
     """Write the rank keys of the entries above ``kth`` and of the first ``need_eq`` equal to it
-    (``n_eq`` of those already seen) to ``dst`` from slot ``n_gt`` on; returns the new counts."""
+    (``n_eq`` equal ones already seen) to ``dst`` from slot ``n_w`` on; returns the new counts.
+    One scan counts both kinds (above: low 16 bits, equal: high; a step holds < 2^16 entries): an
+    entry's slot is the entries above before it plus the selected equal ones before it, which are
+    ``min(equal before, need_eq)`` less those of earlier steps."""
     gt = valid & (ukey > kth)
     eq = valid & (ukey == kth)
-    eq_i = eq.to(tl.int32)
-    eq_rank = n_eq + tl.cumsum(eq_i, axis=0) - eq_i  # equal entries before this one
-    sel = gt | (eq & (eq_rank < need_eq))
-    sel_i = sel.to(tl.int32)
-    slot = n_gt + tl.cumsum(sel_i, axis=0) - sel_i
+    packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+    before = tl.cumsum(packed, axis=0) - packed
+    eq_before = n_eq + (before >> 16)  # equal entries before this one, all steps
+    sel = gt | (eq & (eq_before < need_eq))
+    done_eq = tl.minimum(n_eq, need_eq)
+    slot = n_w + (before & 0xFFFF) + tl.minimum(eq_before, need_eq) - done_eq
     comp = key.to(tl.int64) * 4294967296 + (4294967295 - pos.to(tl.int64))
     tl.store(dst + slot, comp, mask=sel)
-    return n_gt + tl.sum(sel_i, axis=0), n_eq + tl.sum(eq_i, axis=0)
+    tot = tl.sum(packed, axis=0)
+    n_eq_new = n_eq + (tot >> 16)
+    return n_w + (tot & 0xFFFF) + tl.minimum(n_eq_new, need_eq) - done_eq, n_eq_new
 
 
 @triton.jit
@@ -555,6 +562,7 @@ def _topk_kernel(
     writes the entries above that bucket and gathers the bucket's entries into ``cand[r, :cap]``
     when they fit, and the last two digits and the final select read only those; a larger bucket
     takes the row passes."""
+    tl.static_assert(BLOCK < 65536, "the select packs two counts of a step into one int32")
     r = tl.program_id(0)
     row_ptr = x_ptr + r.to(tl.int64) * stride_xr
     lo = tl.minimum(tl.maximum(tl.load(lo_ptr + r), 0), n).to(tl.int32)
