@@ -9,6 +9,7 @@ import triton.language as tl
 
 from ..decode.portable import e4m3_decode_exact
 from ..runtime import cuda_num_sms, interpreting, require_runnable
+from ..serving.index_convert import table_slots
 from ..serving.store import _e4m3_rtne_bits, ceil_log2_div448, slot_records
 from .checks import index_cache_geometry
 
@@ -601,14 +602,7 @@ def _topk_kernel(
     low = top - ((top >> 32) << 32)  # 2^32 - 1 - position
     res = tl.where(rank < kk, 4294967295 - low, -1)
     if SLOTS:  # block_table[r // next_n, t // pbs] * pbs + t % pbs; -1 where there is none
-        lb = res // pbs
-        ok = (res >= 0) & (lb < n_log)
-        bt_row = bt_ptr + (r // next_n).to(tl.int64) * stride_bt
-        phys = tl.load(bt_row + tl.where(ok, lb, 0), mask=ok, other=-1).to(tl.int64)
-        off = res - lb * pbs
-        # past int32 is no slot: tested before the product (an int64 entry near 2^63 would wrap)
-        ok = ok & (phys >= 0) & (phys <= (2147483647 - off) // pbs)
-        res = tl.where(ok, phys * pbs + off, -1)
+        res = table_slots(res, bt_ptr + (r // next_n).to(tl.int64) * stride_bt, 1, n_log, pbs, rank < k)
     tl.store(out_ptr + r.to(tl.int64) * stride_or + rank, res.to(tl.int32), mask=rank < k)
 
 
@@ -628,7 +622,7 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     :func:`sparse_mla.serving.reference.abs_indices_to_kvcache_indices` maps them."""
     require_runnable(
         _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
-        _radix_pass, _select_pass, _compact_pass, _split_keys, _select_keys,
+        _radix_pass, _select_pass, _compact_pass, _split_keys, _select_keys, table_slots,
     )  # fmt: skip
     cfg = {**TOPK_CONFIG, **(config or {})}
     if cfg["bits"] not in (1, 2, 4, 8, 16):

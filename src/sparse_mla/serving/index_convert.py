@@ -21,7 +21,24 @@ import triton.language as tl
 from ..runtime import on_tensor_device, require_runnable, use_triton
 from .checks import check_abs_index_args
 
-__all__ = ["abs_indices_to_kvcache_indices_triton"]
+__all__ = ["abs_indices_to_kvcache_indices_triton", "table_slots"]
+
+
+@triton.jit
+def table_slots(t, bt_row, stride_col, n_log, pbs, mask):
+    """Cache slots ``bt_row[t // pbs] * pbs + t % pbs`` (int64) of logical positions ``t`` (int64)
+    through one block-table row of ``n_log`` entries (``stride_col`` apart); ``-1`` where ``t`` is
+    negative or masked off (``mask``), its block lies past the row, the entry is negative (an
+    unallocated block) or the slot is past int32. The int32 bound is tested before the product,
+    which an int64 entry near 2^63 would wrap into a valid-looking slot. Shared by this module's
+    kernel and the indexer's top-k (:func:`sparse_mla.indexer.topk.topk_kvcache_indices`)."""
+    nonneg = t >= 0
+    lb = tl.where(nonneg, t, 0) // pbs
+    ok = nonneg & (lb < n_log)
+    phys = tl.load(bt_row + lb * stride_col, mask=mask & ok, other=-1).to(tl.int64)
+    off = t - lb * pbs
+    ok = ok & (phys >= 0) & (phys <= (2147483647 - off) // pbs)
+    return tl.where(ok, phys * pbs + off, -1)
 
 
 @triton.jit
@@ -50,15 +67,7 @@ def _abs_to_cache_kernel(
     cols = cb * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < topk
     t = tl.load(abs_ptr + bi * stride_ab + si * stride_as + cols * stride_at, mask=cmask, other=-1).to(tl.int64)
-    nonneg = t >= 0
-    lb = tl.where(nonneg, t, 0) // pbs
-    ok = nonneg & (lb < n_log)
-    phys = tl.load(bt_ptr + bi * stride_tb + lb * stride_tn, mask=cmask & ok, other=-1).to(tl.int64)
-    off = t - lb * pbs
-    # a negative block is no slot, nor is one past int32 (tested before the product, which an
-    # int64 table entry near 2^63 would wrap into a valid-looking slot)
-    ok = ok & (phys >= 0) & (phys <= (2147483647 - off) // pbs)
-    res = tl.where(ok, phys * pbs + off, -1)
+    res = table_slots(t, bt_ptr + bi * stride_tb, stride_tn, n_log, pbs, cmask)
     tl.store(out_ptr + bi * stride_ob + si * stride_os + cols * stride_ot, res.to(tl.int32), mask=cmask)
 
 
@@ -106,7 +115,7 @@ def abs_indices_to_kvcache_indices_triton(
 
         out.copy_(abs_indices_to_kvcache_indices(abs_indices, block_table, page_block_size))
         return out
-    require_runnable(_abs_to_cache_kernel, dev)
+    require_runnable(_abs_to_cache_kernel, dev, table_slots)
     n_log = block_table.shape[1]
     bt = block_table if n_log > 0 else torch.full((b, 1), -1, dtype=block_table.dtype, device=dev)
     block = min(1024, triton.next_power_of_2(topk))
