@@ -45,6 +45,7 @@ PTRS = {
     "dst_ptr": "*i64",
     "scr_ptr": "*i64",
     "cand_ptr": "*i64",
+    "hist_ptr": "*i32",
 }
 UNIT = {"stride_wh", "stride_qh"}  # may be 1 at run time; keep them plain i32
 
@@ -73,11 +74,16 @@ def cases(arch: int):
     consts = dict(D=128, BQ=bq, H_P2=h_p2, BLOCK_N=fc["block_n"], NUM_STAGES=fc["num_stages"], **dot)
     yield "prefill H=64 D=128", K._mqa_logits_kernel, consts, fc["num_warps"]
     tc = K.TOPK_CONFIG
-    topk = dict(BLOCK=tc["block"], BITS=tc["bits"], K_P2=2048, SLOTS=False, FOR_LOOP=True, COMPACT=False)
-    yield "topk k=2048", K._topk_kernel, topk, tc["num_warps"]
-    yield "topk k=2048 4-bit digits", K._topk_kernel, {**topk, "BITS": 4}, tc["num_warps"]
-    yield "topk k=2048 candidate list", K._topk_kernel, {**topk, "BITS": 8, "COMPACT": True}, tc["num_warps"]
+    topk = dict(BLOCK=tc["block"], BITS=8, K_P2=2048, SLOTS=False, FOR_LOOP=True, COMPACT=True, S_P2=8)
+    seg = dict(S_P2=8, BLOCK=tc["block"], FOR_LOOP=True)
+    for level in (0, 1):
+        yield f"topk histogram level {level}", K._topk_hist_kernel, {**seg, "LEVEL": level}, tc["num_warps"]
+    yield "topk split", K._topk_split_kernel, seg, tc["num_warps"]
+    yield "topk k=2048 (candidate list)", K._topk_kernel, topk, tc["num_warps"]
     yield "topk slots k=2048", K._topk_kernel, {**topk, "SLOTS": True}, tc["num_warps"]
+    single = {**topk, "COMPACT": False, "S_P2": 1}
+    yield "topk k=2048 single kernel", K._topk_kernel, single, tc["num_warps"]
+    yield "topk k=2048 single kernel, 4-bit digits", K._topk_kernel, {**single, "BITS": 4}, tc["num_warps"]
 
 
 def main() -> int:

@@ -392,18 +392,21 @@ def test_topk_random_rows_with_ties_match_twin(n, k, dtype):
 @pytest.mark.parametrize(
     "n, k, cfg",
     [
-        (5000, 300, {"bits": 4, "block": 1024}),
-        (3000, 64, {"bits": 4, "block": 256}),
-        (700, 40, {"bits": 2, "block": 512}),
+        (5000, 300, {"bits": 4, "block": 1024, "compact": 0}),
+        (3000, 64, {"bits": 4, "block": 256, "compact": 0}),
+        (700, 40, {"bits": 2, "block": 512, "compact": 0}),
+        (3000, 100, {"compact": 0, "block": 512}),
         (3000, 100, {"compact": 64, "block": 512}),
-        (3000, 100, {"compact": 4096, "block": 256}),
+        (3000, 100, {"compact": 4096, "block": 256, "programs_per_sm": 64}),
+        (5000, 300, {"compact": 2048, "block": 256, "programs_per_sm": 1}),
     ],
 )
 def test_topk_kernel_configs_match_twin(n, k, cfg):
     # other digit widths than the default 8 bits (4-bit digits: 8 passes of 16 bins; 2-bit: 16
-    # passes), steps of BLOCK entries that straddle lo and hi, and the candidate-list variant
-    # (compact: its 16-bit bucket gathered when it fits in the capacity, the row passes when not:
-    # the tied rows hold buckets of every size)
+    # passes), steps of BLOCK entries that straddle lo and hi, the single-kernel select (compact 0)
+    # and the default candidate list (compact: the k-th key's 16-bit bucket gathered when it fits in
+    # the capacity, the row passes when not: the tied rows hold buckets of every size), its rows
+    # split in 1 to 16 segments (programs_per_sm; the interpreter counts one SM)
     from sparse_mla.indexer.kernels import launch_topk
 
     x, lo, hi = _tied_rows(n, k)

@@ -494,26 +494,6 @@ def _select_pass(
 
 
 @triton.jit
-def _compact_pass(row_ptr, lo, hi, c_lo, prefix16, scr, cand, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr):
-    """The entries whose top 16 key bits are above ``prefix16`` (all in the top k) as rank keys into
-    ``scr``, those equal to it into the candidate list ``cand`` (in position order); returns both
-    counts."""
-    n_gt = tl.zeros([], tl.int32)
-    n_c = tl.zeros([], tl.int32)
-    if FOR_LOOP:
-        for start in tl.range(c_lo, hi, BLOCK, num_stages=2):
-            pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
-            n_gt, n_c = _split_keys(pos, valid, key, ukey, prefix16, n_gt, n_c, scr, cand)
-    else:
-        start = c_lo
-        while start < hi:
-            pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
-            n_gt, n_c = _split_keys(pos, valid, key, ukey, prefix16, n_gt, n_c, scr, cand)
-            start += BLOCK
-    return n_gt, n_c
-
-
-@triton.jit
 def _split_keys(pos, valid, key, ukey, prefix16, n_gt, n_c, scr, cand):
     top = ukey >> 16
     gt = valid & (top > prefix16)
@@ -550,40 +530,132 @@ def _select_keys(pos, valid, key, ukey, kth, need_eq, n_w, n_eq, dst):
 
 
 @triton.jit
+def _row_bounds(lo_ptr, hi_ptr, r, n, k):
+    """Row ``r``'s candidate range ``[lo, hi)`` clamped to ``[0, n]``, and ``min(hi - lo, k)``."""
+    lo = tl.minimum(tl.maximum(tl.load(lo_ptr + r), 0), n).to(tl.int32)
+    hi = tl.minimum(tl.maximum(tl.load(hi_ptr + r), lo), n).to(tl.int32)
+    return lo, hi, tl.minimum(hi - lo, k)
+
+
+@triton.jit
+def _seg_pick(hist, n_seg, s, prefix, rem, S_P2: tl.constexpr):
+    """The digit of the ``rem``-th largest key from a row's per-segment histograms ``hist [n_seg,
+    256]``: ``(prefix << 8 | d, rem - count above d, count at d)`` as :func:`_pick_digit`, and the
+    counts above ``d`` and at ``d`` in the segments before ``s``."""
+    seg = tl.arange(0, S_P2)[:, None]
+    h = tl.load(hist + seg * 256 + tl.arange(0, 256)[None, :], mask=seg < n_seg, other=0)
+    prefix, rem, at = _pick_digit(tl.sum(h, axis=0), prefix, rem, 8)
+    d = (prefix & 255).to(tl.int32)
+    before = tl.sum(tl.where(seg < s, h, 0), axis=0)
+    bins = tl.arange(0, 256)
+    gt_before = tl.sum(tl.where(bins > d, before, 0), axis=0)
+    eq_before = tl.sum(tl.where(bins == d, before, 0), axis=0)
+    return prefix, rem, at, gt_before, eq_before
+
+
+@triton.jit
+def _topk_hist_kernel(
+    x_ptr, stride_xr, lo_ptr, hi_ptr, hist_ptr, stride_hr, n, k, n_seg, seg_len,
+    LEVEL: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(rows, n_seg)``: ``hist[r, LEVEL, s]`` = the 256-bin histogram, over segment ``s``
+    (``seg_len`` entries) of row ``r``'s candidates, of key byte 3 (``LEVEL`` 0), or of byte 2 among
+    the keys whose byte 3 is the k-th best key's (``LEVEL`` 1, from the row's level-0 histograms)."""
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    row_ptr = x_ptr + r.to(tl.int64) * stride_xr
+    lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
+    hrow = hist_ptr + r.to(tl.int64) * stride_hr
+    prefix = tl.zeros([], tl.uint32)
+    if LEVEL == 1:
+        prefix, _rem, _at, _gt, _eq = _seg_pick(hrow, n_seg, s, prefix, tl.maximum(kk, 1), S_P2)
+    hist = tl.zeros([256], tl.int32)
+    seg_lo = s * seg_len
+    start0 = tl.maximum(seg_lo, (lo // BLOCK) * BLOCK)
+    end = tl.minimum(seg_lo + seg_len, hi)
+    if FOR_LOOP:
+        for start in tl.range(start0, end, BLOCK, num_stages=2):
+            _pos, valid, _key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+            hist = _digit_hist(hist, valid, ukey, prefix, 24 - 8 * LEVEL, 8)
+    else:
+        start = start0
+        while start < end:
+            _pos, valid, _key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+            hist = _digit_hist(hist, valid, ukey, prefix, 24 - 8 * LEVEL, 8)
+            start += BLOCK
+    tl.store(hrow + (LEVEL * n_seg + s) * 256 + tl.arange(0, 256), hist)
+
+
+@triton.jit
+def _topk_split_kernel(
+    x_ptr, stride_xr, lo_ptr, hi_ptr, hist_ptr, stride_hr, scr_ptr, stride_sr, cand_ptr, stride_cr,
+    n, k, n_seg, seg_len, cap, S_P2: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(rows, n_seg)``: from the two histogram levels, the k-th best key's top 16 bits
+    ``p16``; when the row holds at most ``cap`` entries with those bits, segment ``s`` writes its
+    entries above ``p16`` as rank keys into ``scr[r]`` and those at ``p16`` into ``cand[r]``, each
+    after the earlier segments' (so both lists are in position order)."""
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    row_ptr = x_ptr + r.to(tl.int64) * stride_xr
+    lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
+    hrow = hist_ptr + r.to(tl.int64) * stride_hr
+    if kk > 0:
+        p8, rem, _at, gt1, _eq1 = _seg_pick(hrow, n_seg, s, tl.zeros([], tl.uint32), kk, S_P2)
+        p16, rem, at, gt2, eq2 = _seg_pick(hrow + n_seg * 256, n_seg, s, p8, rem, S_P2)
+        if at <= cap:
+            scr = scr_ptr + r.to(tl.int64) * stride_sr
+            cand = cand_ptr + r.to(tl.int64) * stride_cr
+            n_gt = gt1 + gt2
+            n_c = eq2
+            seg_lo = s * seg_len
+            start0 = tl.maximum(seg_lo, (lo // BLOCK) * BLOCK)
+            end = tl.minimum(seg_lo + seg_len, hi)
+            if FOR_LOOP:
+                for start in tl.range(start0, end, BLOCK, num_stages=2):
+                    pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+                    n_gt, n_c = _split_keys(pos, valid, key, ukey, p16, n_gt, n_c, scr, cand)
+            else:
+                start = start0
+                while start < end:
+                    pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
+                    n_gt, n_c = _split_keys(pos, valid, key, ukey, p16, n_gt, n_c, scr, cand)
+                    start += BLOCK
+
+
+@triton.jit
 def _topk_kernel(
     x_ptr, stride_xr, lo_ptr, hi_ptr, scr_ptr, stride_sr, out_ptr, stride_or, n, k,
-    bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr, cap,
+    bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr, cap, hist_ptr, stride_hr, n_seg,
     BLOCK: tl.constexpr, BITS: tl.constexpr, K_P2: tl.constexpr, SLOTS: tl.constexpr, FOR_LOOP: tl.constexpr,
-    COMPACT: tl.constexpr,
+    COMPACT: tl.constexpr, S_P2: tl.constexpr = 1, PROFILE: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(rows,)``: ``out[r, :min(k, K_P2)]`` = row ``r``'s best positions in rank order
     (``-1`` past its ``min(k, hi - lo)`` candidates), or with ``SLOTS`` their cache slots through
     ``block_table[r // next_n]`` (``-1`` where a position has none). ``scr[r, :K_P2]``: scratch.
-    ``COMPACT`` (8-bit digits): after the two passes that fix the k-th key's top 16 bits, one pass
-    writes the entries above that bucket and gathers the bucket's entries into ``cand[r, :cap]``
-    when they fit, and the last two digits and the final select read only those; a larger bucket
-    takes the row passes."""
+    ``COMPACT`` (8-bit digits; after :func:`_topk_hist_kernel` at both levels and
+    :func:`_topk_split_kernel`): the k-th key's top 16 bits come from the row's histograms; when
+    its bucket fit in ``cap``, the last two digits and the select read only the candidate list
+    ``cand[r, :cap]`` (the entries above the bucket are already in ``scr``), else the row."""
     tl.static_assert(BLOCK < 65536, "the select packs two counts of a step into one int32")
     r = tl.program_id(0)
     row_ptr = x_ptr + r.to(tl.int64) * stride_xr
-    lo = tl.minimum(tl.maximum(tl.load(lo_ptr + r), 0), n).to(tl.int32)
-    hi = tl.minimum(tl.maximum(tl.load(hi_ptr + r), lo), n).to(tl.int32)
-    kk = tl.minimum(hi - lo, k)
+    lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
     scr = scr_ptr + r.to(tl.int64) * stride_sr
     if kk > 0:
         c_lo = (lo // BLOCK) * BLOCK
         prefix = tl.zeros([], tl.uint32)
         rem = kk
         if COMPACT:
-            prefix, rem, _at = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 24, 8, BLOCK, FOR_LOOP)
-            prefix, rem, at = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 16, 8, BLOCK, FOR_LOOP)
-            if at <= cap:
+            hrow = hist_ptr + r.to(tl.int64) * stride_hr
+            prefix, rem, _at, _gt, _eq = _seg_pick(hrow, n_seg, 0, prefix, rem, S_P2)
+            prefix, rem, at, _gt, _eq = _seg_pick(hrow + n_seg * 256, n_seg, 0, prefix, rem, S_P2)
+            if at <= cap:  # kk - rem entries above the bucket are in scr; the bucket's `at` in cand
                 cand = cand_ptr + r.to(tl.int64) * stride_cr
-                n_gt, n_c = _compact_pass(row_ptr, lo, hi, c_lo, prefix, scr, cand, BLOCK, FOR_LOOP)
-                tl.debug_barrier()  # the candidate list's stores before its loads
-                prefix, rem, _at = _radix_pass(cand, 0, n_c, 0, prefix, rem, 8, 8, BLOCK, FOR_LOOP, True)
-                prefix, rem, _at = _radix_pass(cand, 0, n_c, 0, prefix, rem, 0, 8, BLOCK, FOR_LOOP, True)
-                _select_pass(cand, 0, n_c, 0, prefix, rem, n_gt, scr, BLOCK, FOR_LOOP, True)
+                n_gt = kk - rem
+                prefix, rem, _at = _radix_pass(cand, 0, at, 0, prefix, rem, 8, 8, BLOCK, FOR_LOOP, True)
+                prefix, rem, _at = _radix_pass(cand, 0, at, 0, prefix, rem, 0, 8, BLOCK, FOR_LOOP, True)
+                _select_pass(cand, 0, at, 0, prefix, rem, n_gt, scr, BLOCK, FOR_LOOP, True)
             else:
                 prefix, rem, _at = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 8, 8, BLOCK, FOR_LOOP)
                 prefix, rem, _at = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, 8, BLOCK, FOR_LOOP)
@@ -594,11 +666,15 @@ def _topk_kernel(
                     row_ptr, lo, hi, c_lo, prefix, rem, 32 - BITS * (p + 1), BITS, BLOCK, FOR_LOOP
                 )
             # prefix: the k-th best key; rem: how many entries equal to it belong to the top k
-            _select_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, scr, BLOCK, FOR_LOOP)
+            if PROFILE < 2:
+                _select_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, scr, BLOCK, FOR_LOOP)
+            else:  # (profiling: the radix passes alone; the result written so they are kept)
+                tl.store(scr, prefix.to(tl.int64) + rem)
     tl.debug_barrier()  # every thread's scratch stores before any thread's loads
     rank = tl.arange(0, K_P2)
     top = tl.load(scr + rank, mask=rank < kk, other=-9223372036854775808)
-    top = tl.sort(top, descending=True)
+    if PROFILE == 0:
+        top = tl.sort(top, descending=True)
     low = top - ((top >> 32) << 32)  # 2^32 - 1 - position
     res = tl.where(rank < kk, 4294967295 - low, -1)
     if SLOTS:  # block_table[r // next_n, t // pbs] * pbs + t % pbs; -1 where there is none
@@ -608,9 +684,11 @@ def _topk_kernel(
 
 #: launch parameters of the top-k: ``bits`` per radix pass (a power of two up to 16), ``block`` row
 #: entries a step, ``num_warps``, ``compact`` (8-bit digits: the candidate list's capacity per row, 0
-#: = off; prepared in session 6, not yet measured). The H200 sweep (``benchmarks/indexer_sweep.py --only topk``, 256 x
+#: = off; prepared in session 6, not yet measured), ``profile`` (timing only, wrong results: 1 leaves
+#: out the final sort, 2 also the select pass). The H200 sweep (``benchmarks/indexer_sweep.py --only topk``, 256 x
 #: 32K, k 2048): 8-bit digits, 2048 entries, 4 warps 320 us; 4-bit digits at best 334 us (8 warps)
-TOPK_CONFIG = dict(bits=8, block=2048, num_warps=4, compact=0)
+TOPK_CONFIG = dict(bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=16)
+_MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 
 
 def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_n=1, config=None) -> None:
@@ -622,7 +700,8 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     :func:`sparse_mla.serving.reference.abs_indices_to_kvcache_indices` maps them."""
     require_runnable(
         _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
-        _radix_pass, _select_pass, _compact_pass, _split_keys, _select_keys, table_slots,
+        _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_pick,
+        _topk_hist_kernel, _topk_split_kernel,
     )  # fmt: skip
     cfg = {**TOPK_CONFIG, **(config or {})}
     if cfg["bits"] not in (1, 2, 4, 8, 16):
@@ -638,11 +717,28 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     block = min(cfg["block"], max(triton.next_power_of_2(n), 256))
     slots = table is not None
     bt = table if slots else lo
-    cand = torch.empty((rows, cap), dtype=torch.int64, device=logits.device) if cap else scratch
+    for_loop = not interpreting()
+    cand, hist, n_seg, s_p2 = scratch, scratch, 1, 1
+    if cap:  # the two histogram levels and the split, each over (rows, segments) programs
+        n_blk = triton.cdiv(n, block)
+        per, n_seg = _split(n_blk, rows, cfg["programs_per_sm"] * _num_sms(logits.device, None))
+        if n_seg > _MAX_SEGMENTS:
+            per = triton.cdiv(n_blk, _MAX_SEGMENTS)
+            n_seg = triton.cdiv(n_blk, per)
+        s_p2 = triton.next_power_of_2(n_seg)
+        cand = torch.empty((rows, cap), dtype=torch.int64, device=logits.device)
+        hist = torch.empty((rows, 2, n_seg, 256), dtype=torch.int32, device=logits.device)
+        meta = dict(S_P2=s_p2, BLOCK=block, FOR_LOOP=for_loop, num_warps=cfg["num_warps"])
+        args = (logits, logits.stride(0), lo, hi, hist, hist.stride(0))
+        for level in (0, 1):
+            _topk_hist_kernel[(rows, n_seg)](*args, n, k, n_seg, per * block, LEVEL=level, **meta)
+        _topk_split_kernel[(rows, n_seg)](
+            *args, scratch, scratch.stride(0), cand, cand.stride(0), n, k, n_seg, per * block, cap, **meta
+        )
     _topk_kernel[(rows,)](
         logits, logits.stride(0), lo, hi, scratch, scratch.stride(0), out, out.stride(0), n, k,
         bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
-        cand, cand.stride(0), cap,
-        BLOCK=block, BITS=cfg["bits"], K_P2=k_p2, SLOTS=slots, FOR_LOOP=not interpreting(), COMPACT=cap > 0,
-        num_warps=cfg["num_warps"],
+        cand, cand.stride(0), cap, hist, hist.stride(0), n_seg,
+        BLOCK=block, BITS=cfg["bits"], K_P2=k_p2, SLOTS=slots, FOR_LOOP=for_loop, COMPACT=cap > 0, S_P2=s_p2,
+        PROFILE=int(cfg.get("profile", 0)), num_warps=cfg["num_warps"],
     )  # fmt: skip
