@@ -75,6 +75,9 @@ def bench_topk(quick: bool, copy_gbs: float) -> dict:
     # the fused variant (decode rows: b=128 x next_n=2, cache slots through a 64-token-page table)
     table = torch.randperm(rows // 2 * (n // 64), device="cuda").view(rows // 2, n // 64).int()
     us_kv = harness.median_us(lambda: flash_mla.topk_kvcache_indices(x, k, table, 64, 2), quick)
+    # CUDA-graph replay (as a decode step runs it: no host time between the kernels), both ops
+    us_graph = harness.graph_replay_us(lambda i: lambda: flash_mla.topk_indices(x, k), 1, quick)
+    us_torch_graph = harness.graph_replay_us(lambda i: lambda: torch.topk(x, k, dim=1), 1, quick)
     read_us = rows * n * 4 / (copy_gbs * 1e9) * 1e6
     return dict(
         kind="topk",
@@ -84,6 +87,8 @@ def bench_topk(quick: bool, copy_gbs: float) -> dict:
         us=us,
         us_torch_topk=us_torch,
         us_kvcache_indices=us_kv,
+        us_graph=us_graph,
+        us_torch_topk_graph=us_torch_graph,
         read_us=read_us,
         x_read=us / read_us,
         x_torch=us / us_torch,

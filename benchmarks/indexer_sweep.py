@@ -109,10 +109,10 @@ def sweep_topk(quick: bool, rows: list) -> None:
     ]
     # the default: histograms and split over (rows, segments) programs, then the candidate list
     configs += [
-        dict(bits=8, block=block, num_warps=w, compact=c, programs_per_sm=pps)
-        for block, w, c, pps in [
-            (2048, 4, 2048, 16), (2048, 4, 2048, 8), (2048, 4, 2048, 32), (1024, 4, 2048, 16),
-            (4096, 8, 2048, 16), (2048, 8, 2048, 16), (2048, 4, 8192, 16),
+        dict(bits=8, block=block, num_warps=w, compact=2048, programs_per_sm=pps, hist_bits=hb, split_block=sb)
+        for block, w, pps, hb, sb in [
+            (2048, 4, 8, 8, 2048), (2048, 4, 16, 8, 2048), (2048, 4, 8, 8, 1024), (2048, 4, 8, 4, 2048),
+            (2048, 4, 16, 4, 1024), (2048, 4, 8, 4, 1024), (2048, 4, 4, 4, 1024), (4096, 8, 8, 4, 1024),
         ]
     ]  # fmt: skip
     # where the single kernel's time goes (results not checked): without the final sort; the radix

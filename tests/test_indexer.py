@@ -399,6 +399,8 @@ def test_topk_random_rows_with_ties_match_twin(n, k, dtype):
         (3000, 100, {"compact": 64, "block": 512}),
         (3000, 100, {"compact": 4096, "block": 256, "programs_per_sm": 64}),
         (5000, 300, {"compact": 2048, "block": 256, "programs_per_sm": 1}),
+        (5000, 300, {"compact": 2048, "block": 512, "programs_per_sm": 16, "hist_bits": 4, "split_block": 256}),
+        (3000, 100, {"compact": 64, "block": 256, "programs_per_sm": 16, "hist_bits": 4}),
     ],
 )
 def test_topk_kernel_configs_match_twin(n, k, cfg):

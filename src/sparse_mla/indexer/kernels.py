@@ -538,76 +538,88 @@ def _row_bounds(lo_ptr, hi_ptr, r, n, k):
 
 
 @triton.jit
-def _seg_pick(hist, n_seg, s, prefix, rem, S_P2: tl.constexpr):
+def _seg_pick(hist, n_seg, s, prefix, rem, S_P2: tl.constexpr, HB: tl.constexpr):
     """The digit of the ``rem``-th largest key from a row's per-segment histograms ``hist [n_seg,
-    256]``: ``(prefix << 8 | d, rem - count above d, count at d)`` as :func:`_pick_digit`, and the
+    2^HB]``: ``(prefix << HB | d, rem - count above d, count at d)`` as :func:`_pick_digit`, and the
     counts above ``d`` and at ``d`` in the segments before ``s``."""
     seg = tl.arange(0, S_P2)[:, None]
-    h = tl.load(hist + seg * 256 + tl.arange(0, 256)[None, :], mask=seg < n_seg, other=0)
-    prefix, rem, at = _pick_digit(tl.sum(h, axis=0), prefix, rem, 8)
-    d = (prefix & 255).to(tl.int32)
+    h = tl.load(hist + seg * (1 << HB) + tl.arange(0, 1 << HB)[None, :], mask=seg < n_seg, other=0)
+    prefix, rem, at = _pick_digit(tl.sum(h, axis=0), prefix, rem, HB)
+    d = (prefix & ((1 << HB) - 1)).to(tl.int32)
     before = tl.sum(tl.where(seg < s, h, 0), axis=0)
-    bins = tl.arange(0, 256)
+    bins = tl.arange(0, 1 << HB)
     gt_before = tl.sum(tl.where(bins > d, before, 0), axis=0)
     eq_before = tl.sum(tl.where(bins == d, before, 0), axis=0)
     return prefix, rem, at, gt_before, eq_before
 
 
 @triton.jit
+def _levels_pick(hrow, n_seg, s, kk, LEVELS: tl.constexpr, S_P2: tl.constexpr, HB: tl.constexpr):
+    """The first ``LEVELS`` digits (``HB`` bits each) of row's k-th best key from its histogram
+    levels: ``(prefix, rem, count at prefix, count above prefix in segments before s, count at
+    prefix in segments before s)``."""
+    prefix = tl.zeros([], tl.uint32)
+    rem = kk
+    at = kk
+    gt = tl.zeros([], tl.int32)
+    eq = tl.zeros([], tl.int32)
+    for lv in tl.static_range(LEVELS):
+        prefix, rem, at, gt_lv, eq = _seg_pick(hrow + lv * n_seg * (1 << HB), n_seg, s, prefix, rem, S_P2, HB)
+        gt += gt_lv
+    return prefix, rem, at, gt, eq
+
+
+@triton.jit
 def _topk_hist_kernel(
     x_ptr, stride_xr, lo_ptr, hi_ptr, hist_ptr, stride_hr, n, k, n_seg, seg_len,
-    LEVEL: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr,
+    LEVEL: tl.constexpr, HB: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(rows, n_seg)``: ``hist[r, LEVEL, s]`` = the 256-bin histogram, over segment ``s``
-    (``seg_len`` entries) of row ``r``'s candidates, of key byte 3 (``LEVEL`` 0), or of byte 2 among
-    the keys whose byte 3 is the k-th best key's (``LEVEL`` 1, from the row's level-0 histograms)."""
+    """Grid ``(rows, n_seg)``: ``hist[r, LEVEL, s]`` = the ``2^HB``-bin histogram, over segment
+    ``s`` (``seg_len`` entries) of row ``r``'s candidates, of key digit ``LEVEL`` (``HB`` bits from
+    the top) among the keys whose higher digits are the k-th best key's (from the row's histograms
+    at the lower levels)."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     row_ptr = x_ptr + r.to(tl.int64) * stride_xr
     lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
     hrow = hist_ptr + r.to(tl.int64) * stride_hr
-    prefix = tl.zeros([], tl.uint32)
-    if LEVEL == 1:
-        prefix, _rem, _at, _gt, _eq = _seg_pick(hrow, n_seg, s, prefix, tl.maximum(kk, 1), S_P2)
-    hist = tl.zeros([256], tl.int32)
+    prefix, _rem, _at, _gt, _eq = _levels_pick(hrow, n_seg, s, tl.maximum(kk, 1), LEVEL, S_P2, HB)
+    hist = tl.zeros([1 << HB], tl.int32)
     seg_lo = s * seg_len
     start0 = tl.maximum(seg_lo, (lo // BLOCK) * BLOCK)
     end = tl.minimum(seg_lo + seg_len, hi)
     if FOR_LOOP:
         for start in tl.range(start0, end, BLOCK, num_stages=2):
             _pos, valid, _key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
-            hist = _digit_hist(hist, valid, ukey, prefix, 24 - 8 * LEVEL, 8)
+            hist = _digit_hist(hist, valid, ukey, prefix, 32 - HB * (LEVEL + 1), HB)
     else:
         start = start0
         while start < end:
             _pos, valid, _key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
-            hist = _digit_hist(hist, valid, ukey, prefix, 24 - 8 * LEVEL, 8)
+            hist = _digit_hist(hist, valid, ukey, prefix, 32 - HB * (LEVEL + 1), HB)
             start += BLOCK
-    tl.store(hrow + (LEVEL * n_seg + s) * 256 + tl.arange(0, 256), hist)
+    tl.store(hrow + (LEVEL * n_seg + s) * (1 << HB) + tl.arange(0, 1 << HB), hist)
 
 
 @triton.jit
 def _topk_split_kernel(
     x_ptr, stride_xr, lo_ptr, hi_ptr, hist_ptr, stride_hr, scr_ptr, stride_sr, cand_ptr, stride_cr,
-    n, k, n_seg, seg_len, cap, S_P2: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr,
+    n, k, n_seg, seg_len, cap, HB: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(rows, n_seg)``: from the two histogram levels, the k-th best key's top 16 bits
-    ``p16``; when the row holds at most ``cap`` entries with those bits, segment ``s`` writes its
-    entries above ``p16`` as rank keys into ``scr[r]`` and those at ``p16`` into ``cand[r]``, each
-    after the earlier segments' (so both lists are in position order)."""
+    """Grid ``(rows, n_seg)``: from the histogram levels, the k-th best key's top 16 bits ``p16``;
+    when the row holds at most ``cap`` entries with those bits, segment ``s`` writes its entries
+    above ``p16`` as rank keys into ``scr[r]`` and those at ``p16`` into ``cand[r]``, each after
+    the earlier segments' (so both lists are in position order)."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     row_ptr = x_ptr + r.to(tl.int64) * stride_xr
     lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
     hrow = hist_ptr + r.to(tl.int64) * stride_hr
     if kk > 0:
-        p8, rem, _at, gt1, _eq1 = _seg_pick(hrow, n_seg, s, tl.zeros([], tl.uint32), kk, S_P2)
-        p16, rem, at, gt2, eq2 = _seg_pick(hrow + n_seg * 256, n_seg, s, p8, rem, S_P2)
+        p16, _rem, at, n_gt, n_c = _levels_pick(hrow, n_seg, s, kk, 16 // HB, S_P2, HB)
         if at <= cap:
             scr = scr_ptr + r.to(tl.int64) * stride_sr
             cand = cand_ptr + r.to(tl.int64) * stride_cr
-            n_gt = gt1 + gt2
-            n_c = eq2
             seg_lo = s * seg_len
             start0 = tl.maximum(seg_lo, (lo // BLOCK) * BLOCK)
             end = tl.minimum(seg_lo + seg_len, hi)
@@ -628,12 +640,12 @@ def _topk_kernel(
     x_ptr, stride_xr, lo_ptr, hi_ptr, scr_ptr, stride_sr, out_ptr, stride_or, n, k,
     bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr, cap, hist_ptr, stride_hr, n_seg,
     BLOCK: tl.constexpr, BITS: tl.constexpr, K_P2: tl.constexpr, SLOTS: tl.constexpr, FOR_LOOP: tl.constexpr,
-    COMPACT: tl.constexpr, S_P2: tl.constexpr = 1, PROFILE: tl.constexpr = 0,
+    COMPACT: tl.constexpr, S_P2: tl.constexpr = 1, HB: tl.constexpr = 8, PROFILE: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(rows,)``: ``out[r, :min(k, K_P2)]`` = row ``r``'s best positions in rank order
     (``-1`` past its ``min(k, hi - lo)`` candidates), or with ``SLOTS`` their cache slots through
     ``block_table[r // next_n]`` (``-1`` where a position has none). ``scr[r, :K_P2]``: scratch.
-    ``COMPACT`` (8-bit digits; after :func:`_topk_hist_kernel` at both levels and
+    ``COMPACT`` (8-bit digits; after :func:`_topk_hist_kernel` at its ``16 / HB`` levels and
     :func:`_topk_split_kernel`): the k-th key's top 16 bits come from the row's histograms; when
     its bucket fit in ``cap``, the last two digits and the select read only the candidate list
     ``cand[r, :cap]`` (the entries above the bucket are already in ``scr``), else the row."""
@@ -648,8 +660,7 @@ def _topk_kernel(
         rem = kk
         if COMPACT:
             hrow = hist_ptr + r.to(tl.int64) * stride_hr
-            prefix, rem, _at, _gt, _eq = _seg_pick(hrow, n_seg, 0, prefix, rem, S_P2)
-            prefix, rem, at, _gt, _eq = _seg_pick(hrow + n_seg * 256, n_seg, 0, prefix, rem, S_P2)
+            prefix, rem, at, _gt, _eq = _levels_pick(hrow, n_seg, 0, kk, 16 // HB, S_P2, HB)
             if at <= cap:  # kk - rem entries above the bucket are in scr; the bucket's `at` in cand
                 cand = cand_ptr + r.to(tl.int64) * stride_cr
                 n_gt = kk - rem
@@ -687,12 +698,13 @@ def _topk_kernel(
 #: = off; prepared in session 6, not yet measured), ``profile`` (timing only, wrong results: 1 leaves
 #: out the final sort, 2 also the select pass). The H200 sweep (``benchmarks/indexer_sweep.py --only topk``, 256 x
 #: 32K, k 2048): 8-bit digits, 2048 entries, 4 warps 320 us; 4-bit digits at best 334 us (8 warps)
-TOPK_CONFIG = dict(bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=16)
+TOPK_CONFIG = dict(bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=8, hist_bits=8, split_block=2048)
 _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 
 
 def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_n=1, config=None) -> None:
-    """``logits [rows, n]`` (row stride any, entries contiguous), ``lo``/``hi`` ``[rows]`` int64,
+    """``logits [rows, n]`` (row stride any, entries contiguous), ``lo``/``hi`` ``[rows]`` int32 or
+    int64 (clamped to ``[0, n]`` here),
     ``out [rows, k]`` int32 (entries contiguous): each row's ``min(k, hi - lo)`` best positions in
     rank order and ``-1`` after them, in columns ``< next_power_of_2(kk)`` (``kk = min(k, n)``; the
     caller fills any column past that). With ``table`` (``[b, max_blocks]`` int32/int64, entries
@@ -700,7 +712,7 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     :func:`sparse_mla.serving.reference.abs_indices_to_kvcache_indices` maps them."""
     require_runnable(
         _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
-        _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_pick,
+        _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_pick, _levels_pick,
         _topk_hist_kernel, _topk_split_kernel,
     )  # fmt: skip
     cfg = {**TOPK_CONFIG, **(config or {})}
@@ -711,34 +723,45 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
         raise ValueError(f"config: compact must be >= 0 (0 = off), got {cap}")
     if cap and cfg["bits"] != 8:
         raise ValueError(f"config: compact needs 8-bit digits, got bits={cfg['bits']!r}")
+    if cfg["hist_bits"] not in (4, 8):
+        raise ValueError(f"config: hist_bits must be 4 or 8, got {cfg['hist_bits']!r}")
     rows, n = logits.shape
     k_p2 = triton.next_power_of_2(kk)
-    scratch = torch.empty((rows, k_p2), dtype=torch.int64, device=logits.device)
     block = min(cfg["block"], max(triton.next_power_of_2(n), 256))
+    n_blk = triton.cdiv(n, block)
+    per, n_seg = _split(n_blk, rows, cfg["programs_per_sm"] * _num_sms(logits.device, None))
+    if n_seg > _MAX_SEGMENTS:
+        per = triton.cdiv(n_blk, _MAX_SEGMENTS)
+        n_seg = triton.cdiv(n_blk, per)
+    hb = cfg["hist_bits"]
+    n_hist = rows * (16 // hb) * n_seg * (1 << hb) if cap else 0
+    # one allocation: scratch [rows, k_p2] int64, candidate lists [rows, cap] int64, histograms int32
+    ws = torch.empty(rows * (k_p2 + cap) + n_hist // 2, dtype=torch.int64, device=logits.device)
+    scratch = ws[: rows * k_p2].view(rows, k_p2)
     slots = table is not None
     bt = table if slots else lo
     for_loop = not interpreting()
-    cand, hist, n_seg, s_p2 = scratch, scratch, 1, 1
-    if cap:  # the two histogram levels and the split, each over (rows, segments) programs
-        n_blk = triton.cdiv(n, block)
-        per, n_seg = _split(n_blk, rows, cfg["programs_per_sm"] * _num_sms(logits.device, None))
-        if n_seg > _MAX_SEGMENTS:
-            per = triton.cdiv(n_blk, _MAX_SEGMENTS)
-            n_seg = triton.cdiv(n_blk, per)
+    cand, hist, s_p2 = scratch, scratch, 1
+    if not cap:
+        n_seg = 1
+    else:  # the histogram levels and the split, each over (rows, segments) programs
         s_p2 = triton.next_power_of_2(n_seg)
-        cand = torch.empty((rows, cap), dtype=torch.int64, device=logits.device)
-        hist = torch.empty((rows, 2, n_seg, 256), dtype=torch.int32, device=logits.device)
-        meta = dict(S_P2=s_p2, BLOCK=block, FOR_LOOP=for_loop, num_warps=cfg["num_warps"])
+        cand = ws[rows * k_p2 : rows * (k_p2 + cap)].view(rows, cap)
+        hist = ws[rows * (k_p2 + cap) :].view(torch.int32).view(rows, 16 // hb, n_seg, 1 << hb)
+        meta = dict(HB=hb, S_P2=s_p2, FOR_LOOP=for_loop, num_warps=cfg["num_warps"])
         args = (logits, logits.stride(0), lo, hi, hist, hist.stride(0))
-        for level in (0, 1):
-            _topk_hist_kernel[(rows, n_seg)](*args, n, k, n_seg, per * block, LEVEL=level, **meta)
+        for level in range(16 // hb):
+            _topk_hist_kernel[(rows, n_seg)](*args, n, k, n_seg, per * block, LEVEL=level, BLOCK=block, **meta)
+        split_block = min(cfg["split_block"], block)
         _topk_split_kernel[(rows, n_seg)](
-            *args, scratch, scratch.stride(0), cand, cand.stride(0), n, k, n_seg, per * block, cap, **meta
-        )
+            *args, scratch, scratch.stride(0), cand, cand.stride(0), n, k, n_seg, per * block, cap,
+            BLOCK=split_block, **meta,
+        )  # fmt: skip
     _topk_kernel[(rows,)](
         logits, logits.stride(0), lo, hi, scratch, scratch.stride(0), out, out.stride(0), n, k,
         bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
         cand, cand.stride(0), cap, hist, hist.stride(0), n_seg,
         BLOCK=block, BITS=cfg["bits"], K_P2=k_p2, SLOTS=slots, FOR_LOOP=for_loop, COMPACT=cap > 0, S_P2=s_p2,
+        HB=cfg["hist_bits"],
         PROFILE=int(cfg.get("profile", 0)), num_warps=cfg["num_warps"],
     )  # fmt: skip

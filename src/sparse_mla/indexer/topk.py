@@ -51,7 +51,7 @@ def _check_range(x: Any, name: str, rows: int, dev: torch.device) -> torch.Tenso
     check_tensor_arg(x, name, (torch.int32, torch.int64), 1, dev)
     if x.shape[0] != rows:
         raise ValueError(f"{name}: expected shape [rows={rows}], got {list(x.shape)}")
-    return x.long()
+    return x
 
 
 @on_tensor_device
@@ -96,17 +96,19 @@ def _topk(
     dev = logits.device
     lo = _check_range(row_starts, "row_starts", rows, dev)
     hi = _check_range(row_ends, "row_ends", rows, dev)
-    lo = torch.zeros(rows, dtype=torch.int64, device=dev) if lo is None else lo.clamp(0, n)
-    hi = torch.full((rows,), n, dtype=torch.int64, device=dev) if hi is None else hi.clamp(0, n)
     kk = min(k, n)
-    if rows and kk and use_triton(dev):  # one kernel: select, sort, positions (or slots)
+    if rows and kk and use_triton(dev):  # select, sort, positions (or slots); the kernels clamp lo, hi
         from .kernels import launch_topk
 
         x = logits if logits.stride(1) == 1 else logits.contiguous()
+        lo = torch.zeros(rows, dtype=torch.int32, device=dev) if lo is None else lo.contiguous()
+        hi = torch.full((rows,), n, dtype=torch.int64, device=dev) if hi is None else hi.contiguous()
         covered = k <= _next_pow2(kk)  # the kernel writes columns < next_pow2(kk)
         out = torch.empty((rows, k), dtype=torch.int32, device=dev) if covered else _minus_one((rows, k), dev)
-        launch_topk(x, lo.contiguous(), hi.contiguous(), out, k, kk, table, page_block_size, next_n)
+        launch_topk(x, lo, hi, out, k, kk, table, page_block_size, next_n)
         return out
+    lo = torch.zeros(rows, dtype=torch.int64, device=dev) if lo is None else lo.long().clamp(0, n)
+    hi = torch.full((rows,), n, dtype=torch.int64, device=dev) if hi is None else hi.long().clamp(0, n)
     out = _minus_one((rows, k), dev)
     if rows and kk:
         top = torch.topk(rank_keys(logits, lo, hi), kk, dim=1, largest=True, sorted=True).values
