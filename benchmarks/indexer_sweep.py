@@ -111,9 +111,15 @@ def sweep_topk(quick: bool, rows: list) -> None:
     configs += [
         dict(bits=8, block=block, num_warps=w, compact=2048, programs_per_sm=pps, hist_bits=hb, split_block=sb)
         for block, w, pps, hb, sb in [
-            (2048, 4, 8, 8, 2048), (2048, 4, 16, 8, 2048), (2048, 4, 8, 8, 1024), (2048, 4, 8, 4, 2048),
-            (2048, 4, 16, 4, 1024), (2048, 4, 8, 4, 1024), (2048, 4, 4, 4, 1024), (4096, 8, 8, 4, 1024),
+            (2048, 4, 8, 8, 2048),
+            (2048, 4, 4, 8, 2048),
+            (2048, 4, 8, 4, 1024),
+            (2048, 4, 4, 4, 1024),
         ]
+    ]
+    configs += [
+        dict(bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=pps, final_warps=fw)
+        for pps, fw in [(8, 8), (4, 8), (8, 2)]
     ]  # fmt: skip
     # where the single kernel's time goes (results not checked): without the final sort; the radix
     # passes alone

@@ -693,12 +693,19 @@ def _topk_kernel(
     tl.store(out_ptr + r.to(tl.int64) * stride_or + rank, res.to(tl.int32), mask=rank < k)
 
 
-#: launch parameters of the top-k: ``bits`` per radix pass (a power of two up to 16), ``block`` row
-#: entries a step, ``num_warps``, ``compact`` (8-bit digits: the candidate list's capacity per row, 0
-#: = off; prepared in session 6, not yet measured), ``profile`` (timing only, wrong results: 1 leaves
-#: out the final sort, 2 also the select pass). The H200 sweep (``benchmarks/indexer_sweep.py --only topk``, 256 x
-#: 32K, k 2048): 8-bit digits, 2048 entries, 4 warps 320 us; 4-bit digits at best 334 us (8 warps)
-TOPK_CONFIG = dict(bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=8, hist_bits=8, split_block=2048)
+#: launch parameters of the top-k: ``bits`` per radix pass of the per-row kernel (a power of two up to
+#: 16), ``block`` row entries a step, ``num_warps``; ``compact`` (8-bit digits): the candidate list's
+#: capacity per row (0: one kernel does every pass over the row); ``programs_per_sm``: the row split
+#: of the histogram and split kernels (about this many programs per SM, at most 16 segments a row);
+#: ``hist_bits`` (4 or 8): bits per histogram level (16 / hist_bits levels); ``split_block``: the
+#: split kernel's step; ``final_warps``: the per-row kernel's warps after a split (0: ``num_warps``);
+#: ``profile`` (timing only, wrong results, compact 0: 1 leaves out the final sort, 2 also the
+#: select pass). H200 sweep (``benchmarks/indexer_sweep.py --only topk``, 256 x 32K, k 2048, kernel
+#: time, session 7): this default 223 us; 8 programs per SM 226; 4-warp final kernel 231-234;
+#: 4-bit levels 246; one kernel (compact 0) 289 (radix passes 198, select 52, sort 37).
+TOPK_CONFIG = dict(
+    bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=4, hist_bits=8, split_block=2048, final_warps=8
+)
 _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 
 
@@ -762,6 +769,5 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
         bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
         cand, cand.stride(0), cap, hist, hist.stride(0), n_seg,
         BLOCK=block, BITS=cfg["bits"], K_P2=k_p2, SLOTS=slots, FOR_LOOP=for_loop, COMPACT=cap > 0, S_P2=s_p2,
-        HB=cfg["hist_bits"],
-        PROFILE=int(cfg.get("profile", 0)), num_warps=cfg["num_warps"],
+        HB=cfg["hist_bits"], PROFILE=int(cfg.get("profile", 0)), num_warps=(cfg["final_warps"] if cap else 0) or cfg["num_warps"],
     )  # fmt: skip
