@@ -371,17 +371,22 @@ def launch_paged_mqa_logits(
 
 # ------------------------------------------------------------------------------------------ top-k
 #
-# One program per row. The k-th best key of the row's [lo, hi) by a radix select over the
-# order-preserving 32-bit key of each logit, BITS bits a pass (32 / BITS passes, each a histogram
-# of one digit among the keys that match the digits found so far, read again from memory: L2 for
-# the rows of one call); then one pass that writes every entry above it and the lowest-position
-# entries equal to it (as many as still needed) as int64 rank keys ``key32 << 32 | (2^32 - 1 -
-# position)`` into the row's k scratch slots (same rank keys as :func:`.topk.rank_keys`); then the
-# program sorts those k keys (descending: rank order) and writes the positions, ``-1`` past the
+# The k-th best key of each row's [lo, hi) by a radix select over the order-preserving 32-bit key
+# of each logit. Default (``compact``): the row is split into segments; ``_topk_hist_kernel`` writes
+# each segment's histogram of the key's top byte, then (a second launch) of its next byte among the
+# keys whose top byte is the k-th key's; ``_topk_split_kernel`` reads the row's histograms, so knows
+# the k-th key's top 16 bits and how many entries each earlier segment holds above and at them, and
+# writes its segment's entries above that bucket as int64 rank keys ``key32 << 32 | (2^32 - 1 -
+# position)`` into the row's scratch and the bucket's entries into a candidate list (both in
+# position order); ``_topk_kernel`` (one program per row) finds the last two digits on the
+# candidate list (on the row if the bucket was larger than the list) and selects the entries above
+# the k-th key and the lowest-position entries equal to it. Without ``compact`` one program per row
+# does every pass over the row (32 / BITS histogram passes, then the select). Either way the row's
+# program then sorts its k keys (descending: rank order) and writes the positions, ``-1`` past the
 # row's candidates, or (``SLOTS``) the cache slots they map to through the block table.
 # (``tl.histogram`` costs about log2(bins) warp ballots plus, per bin a lane owns, log2(bins) mask
-# operations per entry: 4-bit digits do a quarter of the 8-bit passes' histogram work, and measured
-# no faster on the H200: the histograms are not what bounds the kernel.)
+# operations and a popcount per 32 entries: ~2.8 warp instructions per entry at 256 bins, which is
+# what a histogram level costs on the H200.)
 
 
 @triton.jit

@@ -5,10 +5,12 @@ after ``-inf``; ``-0.0`` equals ``+0.0``. Only positions in a row's ``[row_start
 (default the whole row) are candidates; a row with fewer than ``k`` candidates gets ``-1`` in its
 last entries. Implementation: each logit becomes one int64 rank key (the float's order-preserving
 32 bits above the inverted position), all distinct, so the set is exact with no tie ambiguity.
-On CUDA (and under the interpreter) one Triton kernel (:func:`.kernels.launch_topk`, one program
-per row) finds the row's k-th best 32-bit key by a radix select, gathers the rank keys of the
-entries above it plus the lowest-position entries equal to it, sorts those k keys and writes the
-positions, or, for :func:`topk_kvcache_indices`, the cache slots they map to; elsewhere one
+On CUDA (and under the interpreter) Triton kernels (:func:`.kernels.launch_topk`) find the row's
+k-th best 32-bit key by a radix select: two 8-bit histogram levels over row segments fix its top 16
+bits, a split pass writes the entries above that bucket and gathers the bucket's entries into a
+candidate list, and one program per row finishes the select on that list (on the row when the
+bucket is larger than the list's capacity), sorts the k rank keys and writes the positions, or,
+for :func:`topk_kvcache_indices`, the cache slots they map to; elsewhere one
 ``torch.topk`` over all the rank keys (:func:`rank_keys`). No host synchronisation (CUDA-graph
 safe). Twin: :func:`sparse_mla.indexer.reference.topk_indices_reference`.
 """
