@@ -543,6 +543,14 @@ def _row_bounds(lo_ptr, hi_ptr, r, n, k):
 
 
 @triton.jit
+def _seg_steps(s, seg_len, lo, hi, BLOCK: tl.constexpr):
+    """``[start, end)`` of segment ``s``'s steps of ``BLOCK`` entries within the row's ``[lo, hi)``
+    (``start`` a multiple of ``BLOCK``; empty when the segment has none)."""
+    seg_lo = s * seg_len
+    return tl.maximum(seg_lo, (lo // BLOCK) * BLOCK), tl.minimum(seg_lo + seg_len, hi)
+
+
+@triton.jit
 def _seg_pick(hist, n_seg, s, prefix, rem, S_P2: tl.constexpr, HB: tl.constexpr):
     """The digit of the ``rem``-th largest key from a row's per-segment histograms ``hist [n_seg,
     2^HB]``: ``(prefix << HB | d, rem - count above d, count at d)`` as :func:`_pick_digit`, and the
@@ -590,9 +598,7 @@ def _topk_hist_kernel(
     hrow = hist_ptr + r.to(tl.int64) * stride_hr
     prefix, _rem, _at, _gt, _eq = _levels_pick(hrow, n_seg, s, tl.maximum(kk, 1), LEVEL, S_P2, HB)
     hist = tl.zeros([1 << HB], tl.int32)
-    seg_lo = s * seg_len
-    start0 = tl.maximum(seg_lo, (lo // BLOCK) * BLOCK)
-    end = tl.minimum(seg_lo + seg_len, hi)
+    start0, end = _seg_steps(s, seg_len, lo, hi, BLOCK)
     if FOR_LOOP:
         for start in tl.range(start0, end, BLOCK, num_stages=2):
             _pos, valid, _key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
@@ -625,9 +631,7 @@ def _topk_split_kernel(
         if at <= cap:
             scr = scr_ptr + r.to(tl.int64) * stride_sr
             cand = cand_ptr + r.to(tl.int64) * stride_cr
-            seg_lo = s * seg_len
-            start0 = tl.maximum(seg_lo, (lo // BLOCK) * BLOCK)
-            end = tl.minimum(seg_lo + seg_len, hi)
+            start0, end = _seg_steps(s, seg_len, lo, hi, BLOCK)
             if FOR_LOOP:
                 for start in tl.range(start0, end, BLOCK, num_stages=2):
                     pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, BLOCK)
@@ -724,7 +728,7 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     :func:`sparse_mla.serving.reference.abs_indices_to_kvcache_indices` maps them."""
     require_runnable(
         _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
-        _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_pick, _levels_pick,
+        _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
         _topk_hist_kernel, _topk_split_kernel,
     )  # fmt: skip
     cfg = {**TOPK_CONFIG, **(config or {})}
