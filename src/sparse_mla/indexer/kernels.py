@@ -744,12 +744,14 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     rows, n = logits.shape
     k_p2 = triton.next_power_of_2(kk)
     block = min(cfg["block"], max(triton.next_power_of_2(n), 256))
-    n_blk = triton.cdiv(n, block)
-    per, n_seg = _split(n_blk, rows, cfg["programs_per_sm"] * _num_sms(logits.device, None))
-    if n_seg > _MAX_SEGMENTS:
-        per = triton.cdiv(n_blk, _MAX_SEGMENTS)
-        n_seg = triton.cdiv(n_blk, per)
     hb = cfg["hist_bits"]
+    per, n_seg = 1, 1
+    if cap:  # segments of `per` steps: about programs_per_sm programs per SM, at most _MAX_SEGMENTS a row
+        n_blk = triton.cdiv(n, block)
+        per, n_seg = _split(n_blk, rows, cfg["programs_per_sm"] * _num_sms(logits.device, None))
+        if n_seg > _MAX_SEGMENTS:
+            per = triton.cdiv(n_blk, _MAX_SEGMENTS)
+            n_seg = triton.cdiv(n_blk, per)
     n_hist = rows * (16 // hb) * n_seg * (1 << hb) if cap else 0
     # one allocation: scratch [rows, k_p2] int64, candidate lists [rows, cap] int64, histograms int32
     ws = torch.empty(rows * (k_p2 + cap) + n_hist // 2, dtype=torch.int64, device=logits.device)
@@ -758,9 +760,7 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     bt = table if slots else lo
     for_loop = not interpreting()
     cand, hist, s_p2 = scratch, scratch, 1
-    if not cap:
-        n_seg = 1
-    else:  # the histogram levels and the split, each over (rows, segments) programs
+    if cap:  # the histogram levels and the split, each over (rows, segments) programs
         s_p2 = triton.next_power_of_2(n_seg)
         cand = ws[rows * k_p2 : rows * (k_p2 + cap)].view(rows, cap)
         hist = ws[rows * (k_p2 + cap) :].view(torch.int32).view(rows, 16 // hb, n_seg, 1 << hb)
@@ -778,5 +778,5 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
         bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
         cand, cand.stride(0), cap, hist, hist.stride(0), n_seg,
         BLOCK=block, BITS=cfg["bits"], K_P2=k_p2, SLOTS=slots, FOR_LOOP=for_loop, COMPACT=cap > 0, S_P2=s_p2,
-        HB=cfg["hist_bits"], PROFILE=int(cfg.get("profile", 0)), num_warps=(cfg["final_warps"] if cap else 0) or cfg["num_warps"],
+        HB=hb, PROFILE=int(cfg.get("profile", 0)), num_warps=(cfg["final_warps"] if cap else 0) or cfg["num_warps"],
     )  # fmt: skip
