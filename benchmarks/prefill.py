@@ -8,6 +8,7 @@ of ``triton.testing.do_bench``), TFLOP/s on ``2·s_q·h_q·topk·(d_qk + 512)``,
 matmul ceiling, and the ratio to FlashMLA's bf16 time (targets: bf16 ≤ 1.10, FP8 cache ≤ 1.20).
 
     python -m benchmarks.prefill [--quick] [--only k=v,...] [--forms bf16,fp8] [--backend NAME] [--json PATH]
+        [--hopper-config KEY=V,...]
 
 ``--backend`` (default ``auto``: the Hopper kernel on an sm_90 GPU for both forms) times another
 backend, e.g. ``portable`` for the bf16 rows' previous path.
@@ -103,7 +104,18 @@ def main(argv=None) -> int:
     ap.add_argument("--forms", default="bf16,fp8", help="kv forms to time: bf16, fp8")
     ap.add_argument("--backend", default="auto", help="prefill backend: auto, hopper, portable")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument(
+        "--hopper-config",
+        default="",
+        help="KEY=V,... HopperConfig fields for the Hopper route (e.g. split_consumer=1); default: the library's",
+    )
     args = ap.parse_args(argv)
+    if args.hopper_config:
+        from sparse_mla.decode import hopper
+
+        from .variants import parse_variant
+
+        hopper._DEFAULT_CONFIG = parse_variant(f"cli=hopper:{args.hopper_config}")[2]
     if not torch.cuda.is_available():
         print("benchmarks.prefill: needs a CUDA device", file=sys.stderr)
         return 2

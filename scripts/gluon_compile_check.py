@@ -1,7 +1,7 @@
 """Offline Hopper compile check of the Gluon sparse decode kernel (no GPU needed).
 
     PYTHONPATH=src python3 scripts/gluon_compile_check.py [--sink] [--topk-len] [--pbs 61] [--model1]
-        [--heads 16|32|64] [--extra | --bf16-kv [--align 16|8|4|2]] [--max-logits] [--dump DIR]
+        [--heads 16|32|64] [--extra | --bf16-kv [--align 16|8|4|2]] [--max-logits] [--pair] [--dump DIR]
 
 Runs on any machine with Triton (no GPU needed): check the Hopper kernel compiles, and what it costs
 in registers, spills and shared memory, after every change to it.
@@ -74,6 +74,8 @@ def compile_kernel(
     bf16_kv: bool = False,
     align: int = 16,
     max_logits: bool = False,
+    split: bool = sdg.HopperConfig().split_consumer,
+    pv_regs: int = sdg.HopperConfig().pv_regs,
 ):
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
@@ -92,8 +94,10 @@ def compile_kernel(
         PRODUCER_REGS=producer_regs,
         PROFILE=sdg.PROFILE_OFF,
         HEADS=heads,
+        SPLIT_CONSUMER=split,
+        PV_REGS=pv_regs,
     )
-    if heads < 64:
+    if heads < 64 or split:
         num_warps = sdg.NARROW_CONSUMER_WARPS
     ptrs = dict(PTRS, kv_ptr="*bf16") if bf16_kv else PTRS
     sig = {}
@@ -140,7 +144,7 @@ def sass_regions(sass: str):
 def inner_loop_counts(sass: str) -> dict:
     """Instruction counts between the consumer's first ready-barrier wait and its empty arrive."""
     lines = sass.splitlines()
-    start = next((i for i, line in enumerate(lines) if "HGMMA.64x32x16" in line), None)
+    start = next((i for i, line in enumerate(lines) if re.search(r"HGMMA\.64x(32|64)x16", line)), None)
     if start is None:
         return {}
     b = next(i for i in range(start, -1, -1) if "SYNCS.PHASECHK" in lines[i])
@@ -170,6 +174,10 @@ def main() -> int:
     ap.add_argument(
         "--align", type=int, default=16, choices=(2, 4, 8, 16), help="--bf16-kv: bytes dividing every row address"
     )
+    ap.add_argument(
+        "--pair", action="store_true", help="64-head tiles with the consumers sharing every step (split_consumer=False)"
+    )
+    ap.add_argument("--pv-regs", type=int, default=sdg.HopperConfig().pv_regs)
     ap.add_argument("--producer-regs", type=int, default=sdg.HopperConfig().producer_regs)
     ap.add_argument("--maxnreg", type=int, default=sdg.HopperConfig().maxnreg)
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass")
@@ -198,6 +206,8 @@ def main() -> int:
         bf16_kv=a.bf16_kv,
         align=a.align,
         max_logits=a.max_logits,
+        split=not a.pair,
+        pv_regs=a.pv_regs,
     )
     md = k.metadata
     print(

@@ -27,7 +27,18 @@ Structure of one CTA (one scheduler partition x one query token x 64 heads), Fla
   prefill on bf16 rows ``[s_kv, 1, d_qk]``, :mod:`sparse_mla.prefill.hopper`): each block's rows
   are copied into the stage with ``cp.async`` (:func:`_copy_block`; no conversion, no registers
   for the tile) and ``ready[stage]`` completes through the copies' mbarrier arrivals.
-* **consumer = default partition** (8 warps = 2 warpgroups): per request piece it stages
+* **consumers split by role** (the default, ``HopperConfig.split_consumer``; FlashMLA's
+  organisation): warpgroup 0 (:func:`_consumer_qk`, the default partition, 216 registers) stages
+  Q, computes the whole ``S = Q Kᵀ [64, 64]`` per block (N = 64: Q is read from smem once per
+  block), runs the online softmax inside the warpgroup (no cross-warpgroup max/sum), hands P and
+  the 64 row factors to warpgroup 1 through smem (``p_full`` / ``p_empty`` mbarriers) and does
+  ``O[:, :256] += P V``; warpgroup 1 (:func:`_consumer_pv`, a worker at ``pv_regs``) rescales its
+  ``O[:, 256:]`` by the row factors and adds ``P V`` on the other half, overlapping warpgroup 0's
+  next QKᵀ. Both release the stage (``empty`` counts 2 arrivals); at the end of a request piece
+  the epilogue's row factor travels the same way and each warpgroup stores its half. Measured on
+  the H200 against the shared organisation below: consumer alone 151 vs 189 µs, whole kernel
+  236 vs 255 µs (b=64, h_q=128), bf16 prefill at h_q 64 2738 vs 3291 µs (docs/perf-log.md).
+* **consumers sharing every step** (``split_consumer=False``; 8 warps = 2 warpgroups): per request piece it stages
   ``Q [64, 576]`` (MODEL1: ``[64, 512]``) bf16 in smem once; per block it waits ``ready[stage]``, computes
   ``S = Q Kᵀ [64, 64]`` with one wgmma whose accumulator layout is ``warps_per_cta = [4, 2]``: the
   two warpgroups each compute 32 of the 64 key columns (QKᵀ is done once, not twice); exp2
@@ -130,6 +141,10 @@ class HopperConfig:
         narrow_producer_warps: warps of each of the two producer partitions beside the
             one-warpgroup consumer of 16- or 32-head tiles (:func:`_consumer_narrow`), where the
             producer's per-token work is what bounds the kernel.
+        split_consumer: 64-head tiles with the consumers split by role (:func:`_consumer_qk`:
+            QKᵀ, softmax, left half of P·V; :func:`_consumer_pv`: right half of P·V; the default)
+            or two warpgroups that share every step (:func:`_consumer_wide`).
+        pv_regs: registers per thread of the P·V warpgroup when ``split_consumer``.
     """
 
     producer_warps: int = 4
@@ -137,9 +152,13 @@ class HopperConfig:
     maxnreg: int = 168
     profile: int = PROFILE_OFF
     narrow_producer_warps: int = 4
+    split_consumer: bool = True
+    pv_regs: int = 160
 
     def __post_init__(self) -> None:
-        for name in ("producer_warps", "producer_regs", "maxnreg", "narrow_producer_warps"):
+        if not isinstance(self.split_consumer, bool):
+            raise ValueError(f"HopperConfig.split_consumer: expected a bool, got {self.split_consumer!r}")
+        for name in ("producer_warps", "producer_regs", "maxnreg", "narrow_producer_warps", "pv_regs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"HopperConfig.{name}: expected a positive int, got {v!r}")
@@ -622,6 +641,262 @@ def _consumer_wide(
         req += 1
 
 
+# ------------------------------------------------------------------------ consumer split by role (FlashMLA-like)
+@gluon.jit
+def _consumer_qk(
+    q,
+    sink_ptr,
+    sched,
+    out,
+    lse,
+    o_acc,
+    lse_acc,
+    max_logits,
+    scale_log2,
+    h_q,
+    q_smem,
+    qr_smem,
+    p_smem,
+    ring,
+    hand,
+    KV_BF16: gl.constexpr,
+    IS_V32: gl.constexpr,
+    HAS_EXTRA: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr,
+    PROFILE: gl.constexpr,
+):
+    """64-head tiles, consumers split by role (``HopperConfig.split_consumer``), warpgroup 0 (the
+    default partition): the whole ``S = Q Kᵀ [64, 64]`` (one warpgroup, N = 64: Q is read from smem
+    once per block), the online softmax inside the warpgroup (no cross-warpgroup max/sum), P and the
+    row factors handed to warpgroup 1 (:func:`_consumer_pv`) through smem, and ``O[:, :256] += P V``.
+    At the end of a request piece the row factor of the epilogue goes the same way, and this
+    warpgroup writes ``out[:, :256]``, lse and max_logits (or the split partials' left half and LSE)."""
+    q_ptr, stride_qb, stride_qs, stride_qh = q
+    _meta_ptr, nsplit_ptr, _mainblk_ptr, _nblk_ptr = sched
+    out_ptr, stride_ob, stride_os, stride_oh = out
+    lse_ptr, stride_lb, stride_lh, stride_ls = lse
+    oacc_ptr, stride_ar, stride_as, stride_ah = o_acc
+    lacc_ptr, stride_lr, stride_lsq = lse_acc
+    ml_ptr, stride_mlb, stride_mlh = max_logits
+    k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
+    row_smem, p_full, p_empty = hand
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    SROW: gl.constexpr = gl.SliceLayout(1, S_L)
+    SCOL: gl.constexpr = gl.SliceLayout(0, S_L)
+    OROW: gl.constexpr = gl.SliceLayout(1, O_L)
+    OCOL: gl.constexpr = gl.SliceLayout(0, O_L)
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+    sq = gl.program_id(1)
+    hb = gl.program_id(2)
+    prow = _partition_row(sched[0])
+    begin_req, end_req, begin_split = prow[0], prow[1], prow[4]
+
+    heads_s = hb * 64 + gl.arange(0, 64, layout=SROW)
+    heads_o = hb * 64 + gl.arange(0, 64, layout=OROW)
+    hmask_s = heads_s < h_q
+    hmask_o = gl.expand_dims(heads_o < h_q, 1)
+    cols_o = gl.arange(0, D_NOPE // 2, layout=OCOL)
+    qr = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
+    qc = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    qmask = gl.expand_dims(qr < h_q, 1)
+    if HAS_SINK:
+        sink_log2 = gl.load(sink_ptr + heads_s, mask=hmask_s, other=0.0) * 1.4426950408889634
+
+    it = 0  # K stage hand-offs
+    hs = 0  # P / row-factor hand-offs to warpgroup 1
+    req = begin_req
+    while req <= end_req:
+        blk0, blk1 = _request_blocks(sched, prow, req, HAS_EXTRA)
+        split = gl.where(req == begin_req, begin_split, 0)
+        split_base = gl.load(nsplit_ptr + req)
+        n_splits = gl.load(nsplit_ptr + req + 1) - split_base
+
+        qbase = q_ptr + req.to(gl.int64) * stride_qb + sq * stride_qs
+        qrow = qbase + gl.expand_dims(qr.to(gl.int64) * stride_qh, 1) + gl.expand_dims(qc, 0)
+        for c in gl.static_range(D_NOPE // 64):
+            q_smem.slice(c * 64, 64, dim=1).store(gl.load(qrow + c * 64, mask=qmask, other=0.0))
+        if IS_V32:
+            qr_smem.store(gl.load(qrow + D_NOPE, mask=qmask, other=0.0))
+        fence_async_shared()
+        _cta_barrier()
+
+        m_i = gl.full([64], float("-inf"), gl.float32, SROW)
+        l_i = gl.zeros([64], gl.float32, SROW)
+        acc = gl.zeros([64, D_NOPE // 2], gl.float32, O_L)
+        for _blk in range(blk0, blk1):
+            stage = it % 2
+            mbarrier.wait(ready_bars.index(stage), (it // 2) & 1)
+            if KV_BF16:  # cp.async wrote the stage (generic proxy); wgmma reads it (async proxy)
+                fence_async_shared()
+            kbuf = k_smem.index(stage)
+            if PROFILE == 1:  # PROFILE_PRODUCER_ONLY: hand-offs only
+                mbarrier.wait(p_empty, (hs & 1) ^ 1)
+                _cta_barrier()
+                mbarrier.arrive(p_full, count=1)
+            else:
+                s = warpgroup_mma(q_smem, kbuf.permute([1, 0]), gl.zeros([64, 64], gl.float32, S_L), use_acc=False)
+                if IS_V32:
+                    s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute([1, 0]), s)
+                bias = mask_smem.index(stage).load(SCOL)
+                # a select, not an add: an invalid token's score is q·0, NaN when q holds an inf
+                s = gl.where(gl.expand_dims(bias, 0) == 0.0, s * scale_log2, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, OROW), 1)
+                # warpgroup 1 has finished the previous P (its PV) and row factors
+                mbarrier.wait(p_empty, (hs & 1) ^ 1)
+                p_smem.store(p.to(gl.bfloat16))
+                row_smem.store(alpha)
+                fence_async_shared()
+                _cta_barrier()
+                mbarrier.arrive(p_full, count=1)
+                acc = warpgroup_mma(p_smem, kbuf.slice(0, D_NOPE // 2, dim=1), acc)
+                _cta_barrier()
+            mbarrier.arrive(empty_bars.index(stage), count=1)
+            it += 1
+            hs += 1
+
+        # epilogue (same formulas as the tl kernel); the row factor goes to warpgroup 1 first
+        lonely = l_i == 0.0
+        l_safe = gl.where(lonely, 1.0, l_i)
+        m_safe2 = gl.where(lonely, 0.0, m_i)
+        lse2 = gl.where(lonely, float("-inf"), gl.log2(l_safe) + m_safe2)
+        if n_splits <= 1:
+            denom = l_safe
+            if HAS_SINK:
+                denom += gl.exp2(sink_log2 - m_safe2)
+            scale_row = gl.where(lonely, 0.0, 1.0 / denom)
+        else:
+            scale_row = 1.0 / l_safe
+        mbarrier.wait(p_empty, (hs & 1) ^ 1)
+        row_smem.store(scale_row)
+        _cta_barrier()
+        mbarrier.arrive(p_full, count=1)
+        hs += 1
+        o = acc * gl.expand_dims(gl.convert_layout(scale_row, OROW), 1)
+        if n_splits <= 1:
+            optr = (
+                out_ptr
+                + req.to(gl.int64) * stride_ob
+                + sq * stride_os
+                + gl.expand_dims(heads_o * stride_oh, 1)
+                + gl.expand_dims(cols_o, 0)
+            )
+            gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
+            lse_v = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
+            gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse_v, mask=hmask_s)
+            if HAS_MAX_LOGITS:  # see _consumer_wide
+                gl.store(
+                    ml_ptr + req.to(gl.int64) * stride_mlb + heads_s * stride_mlh,
+                    gl.where((l_i != l_i) & (m_i != float("inf")), float("nan"), m_i * 0.6931471805599453),
+                    mask=hmask_s,
+                )
+        else:
+            row = (split_base + split).to(gl.int64)
+            aptr = (
+                oacc_ptr
+                + row * stride_ar
+                + sq * stride_as
+                + gl.expand_dims(heads_o * stride_ah, 1)
+                + gl.expand_dims(cols_o, 0)
+            )
+            gl.store(aptr, o, mask=hmask_o)
+            gl.store(lacc_ptr + row * stride_lr + sq * stride_lsq + heads_s, lse2, mask=hmask_s)
+        req += 1
+
+
+@gluon.jit
+def _consumer_pv(
+    sched,
+    out,
+    o_acc,
+    h_q,
+    p_smem,
+    ring,
+    hand,
+    KV_BF16: gl.constexpr,
+    HAS_EXTRA: gl.constexpr,
+    PROFILE: gl.constexpr,
+):
+    """Warpgroup 1 of the split consumers (a worker partition): ``O[:, 256:] += P V`` with the P and
+    row factors warpgroup 0 (:func:`_consumer_qk`) leaves in smem, and ``out[:, 256:]`` (or the
+    split partials' right half) at the end of each request piece."""
+    _meta_ptr, nsplit_ptr, _mainblk_ptr, _nblk_ptr = sched
+    out_ptr, stride_ob, stride_os, stride_oh = out
+    oacc_ptr, stride_ar, stride_as, stride_ah = o_acc
+    k_smem = ring[0]
+    empty_bars = ring[4]
+    row_smem, p_full, p_empty = hand
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    OROW: gl.constexpr = gl.SliceLayout(1, O_L)
+    OCOL: gl.constexpr = gl.SliceLayout(0, O_L)
+
+    sq = gl.program_id(1)
+    hb = gl.program_id(2)
+    prow = _partition_row(sched[0])
+    begin_req, end_req, begin_split = prow[0], prow[1], prow[4]
+    heads_o = hb * 64 + gl.arange(0, 64, layout=OROW)
+    hmask_o = gl.expand_dims(heads_o < h_q, 1)
+    cols_o = D_NOPE // 2 + gl.arange(0, D_NOPE // 2, layout=OCOL)
+
+    it = 0
+    hs = 0
+    req = begin_req
+    while req <= end_req:
+        blk0, blk1 = _request_blocks(sched, prow, req, HAS_EXTRA)
+        split = gl.where(req == begin_req, begin_split, 0)
+        split_base = gl.load(nsplit_ptr + req)
+        n_splits = gl.load(nsplit_ptr + req + 1) - split_base
+        acc = gl.zeros([64, D_NOPE // 2], gl.float32, O_L)
+        for _blk in range(blk0, blk1):
+            stage = it % 2
+            mbarrier.wait(p_full, hs & 1)
+            if PROFILE != 1:
+                if KV_BF16:
+                    fence_async_shared()
+                alpha = row_smem.load(OROW)
+                acc = acc * gl.expand_dims(alpha, 1)
+                acc = warpgroup_mma(p_smem, k_smem.index(stage).slice(D_NOPE // 2, D_NOPE // 2, dim=1), acc)
+            _cta_barrier()
+            mbarrier.arrive(p_empty, count=1)
+            mbarrier.arrive(empty_bars.index(stage), count=1)
+            it += 1
+            hs += 1
+        mbarrier.wait(p_full, hs & 1)
+        scale_row = row_smem.load(OROW)
+        _cta_barrier()
+        mbarrier.arrive(p_empty, count=1)
+        hs += 1
+        o = acc * gl.expand_dims(scale_row, 1)
+        if n_splits <= 1:
+            optr = (
+                out_ptr
+                + req.to(gl.int64) * stride_ob
+                + sq * stride_os
+                + gl.expand_dims(heads_o * stride_oh, 1)
+                + gl.expand_dims(cols_o, 0)
+            )
+            gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
+        else:
+            row = (split_base + split).to(gl.int64)
+            aptr = (
+                oacc_ptr
+                + row * stride_ar
+                + sq * stride_as
+                + gl.expand_dims(heads_o * stride_ah, 1)
+                + gl.expand_dims(cols_o, 0)
+            )
+            gl.store(aptr, o, mask=hmask_o)
+        req += 1
+
+
 @gluon.jit
 def _consumer_narrow(
     q,
@@ -876,6 +1151,8 @@ def _sparse_decode_gluon_kernel(
     PRODUCER_REGS: gl.constexpr,
     PROFILE: gl.constexpr,
     HEADS: gl.constexpr,
+    SPLIT_CONSUMER: gl.constexpr,
+    PV_REGS: gl.constexpr,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / HEADS))``; flat arguments (``scripts/gluon_compile_check.py``
     builds the signature from their names), grouped into tuples for the partitions."""
@@ -897,15 +1174,95 @@ def _sparse_decode_gluon_kernel(
     # ready: the producer's one plain arrive, and (KV_BF16 with cp.async) each producer thread's
     # cp.async arrive (.noinc: counted here) when its copies have landed
     READY_COUNT: gl.constexpr = 1 + PRODUCER_WARPS * 32 if KV_BF16 and ALIGN >= 4 and PROFILE != 2 else 1
+    # split consumers (64-head tiles): both warpgroups release a stage, and hand P and the row
+    # factors over through row_smem with the p_full / p_empty pair
+    SPLIT: gl.constexpr = SPLIT_CONSUMER and HEADS == 64
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready_bars.index(i), count=READY_COUNT)
-        mbarrier.init(empty_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2 if SPLIT else 1)
 
     sched = (meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr)
     ring = (k_smem, kr_smem, mask_smem, ready_bars, empty_bars)
     # (constexpr arguments must be written out in each partition's tuple: a tuple held in a
     # variable passes them as runtime values)
-    if HEADS == 64:
+    if SPLIT:
+        row_smem = gl.allocate_shared_memory(
+            gl.float32, [64], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        )
+        hand_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(hand_bars.index(0), count=1)
+        mbarrier.init(hand_bars.index(1), count=1)
+        hand = (row_smem, hand_bars.index(0), hand_bars.index(1))
+        gl.warp_specialize(
+            [
+                (
+                    _consumer_qk,
+                    (
+                        (q_ptr, stride_qb, stride_qs, stride_qh),
+                        sink_ptr,
+                        sched,
+                        (out_ptr, stride_ob, stride_os, stride_oh),
+                        (lse_ptr, stride_lb, stride_lh, stride_ls),
+                        (oacc_ptr, stride_ar, stride_as, stride_ah),
+                        (lacc_ptr, stride_lr, stride_lsq),
+                        (ml_ptr, stride_mlb, stride_mlh),
+                        scale_log2,
+                        h_q,
+                        q_smem,
+                        qr_smem,
+                        p_smem,
+                        ring,
+                        hand,
+                        KV_BF16,
+                        IS_V32,
+                        HAS_EXTRA,
+                        HAS_SINK,
+                        HAS_MAX_LOGITS,
+                        PROFILE,
+                    ),
+                ),
+                (
+                    _consumer_pv,
+                    (
+                        sched,
+                        (out_ptr, stride_ob, stride_os, stride_oh),
+                        (oacc_ptr, stride_ar, stride_as, stride_ah),
+                        h_q,
+                        p_smem,
+                        ring,
+                        hand,
+                        KV_BF16,
+                        HAS_EXTRA,
+                        PROFILE,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        (kv_ptr, stride_blk, stride_tok, num_tokens, pbs),
+                        (xkv_ptr, x_stride_blk, x_num_tokens, x_pbs),
+                        (idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr),
+                        (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
+                        sched,
+                        ring,
+                        KV_BF16,
+                        IS_V32,
+                        HAS_TOPK_LEN,
+                        HAS_EXTRA,
+                        HAS_EXTRA_LEN,
+                        PBS_POW2,
+                        PBS_LOG2,
+                        ALIGN,
+                        PROFILE,
+                        0,
+                        1,
+                    ),
+                ),
+            ],
+            [4, PRODUCER_WARPS],
+            [PV_REGS, PRODUCER_REGS],
+        )
+    elif HEADS == 64:
         gl.warp_specialize(
             [
                 (
@@ -1179,8 +1536,10 @@ def launch(
         PRODUCER_REGS=config.producer_regs,
         PROFILE=config.profile,
         HEADS=heads,
+        SPLIT_CONSUMER=config.split_consumer,
+        PV_REGS=config.pv_regs,
     )
-    num_warps = NARROW_CONSUMER_WARPS if narrow else CONSUMER_WARPS
+    num_warps = NARROW_CONSUMER_WARPS if narrow or config.split_consumer else CONSUMER_WARPS
     launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, {"num_warps": num_warps, "maxnreg": config.maxnreg})
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)
