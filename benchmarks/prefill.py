@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--hopper-config",
         default="",
-        help="KEY=V,... HopperConfig fields for the Hopper route (e.g. split_consumer=1); default: the library's",
+        help="KEY=V,... HopperConfig fields for the Hopper route (e.g. profile=2: the consumers alone); default: the library's",
     )
     args = ap.parse_args(argv)
     if args.hopper_config:

@@ -1,7 +1,7 @@
 """Offline Hopper compile check of the Gluon sparse decode kernel (no GPU needed).
 
     PYTHONPATH=src python3 scripts/gluon_compile_check.py [--sink] [--topk-len] [--pbs 61] [--model1]
-        [--heads 16|32|64] [--extra | --bf16-kv [--align 16|8|4|2]] [--max-logits] [--pair] [--dump DIR]
+        [--heads 16|32|64] [--extra | --bf16-kv [--align 16|8|4|2]] [--max-logits] [--dump DIR]
 
 Runs on any machine with Triton (no GPU needed): check the Hopper kernel compiles, and what it costs
 in registers, spills and shared memory, after every change to it.
@@ -67,14 +67,12 @@ def compile_kernel(
     pbs_log2: int,
     producer_regs: int,
     maxnreg: int,
-    num_warps: int = 8,
     model1: bool = False,
     extra: bool = False,
     heads: int = 64,
     bf16_kv: bool = False,
     align: int = 16,
     max_logits: bool = False,
-    split: bool = sdg.HopperConfig().split_consumer,
     pv_regs: int = sdg.HopperConfig().pv_regs,
 ):
     kern = sdg._sparse_decode_gluon_kernel
@@ -94,11 +92,8 @@ def compile_kernel(
         PRODUCER_REGS=producer_regs,
         PROFILE=sdg.PROFILE_OFF,
         HEADS=heads,
-        SPLIT_CONSUMER=split,
         PV_REGS=pv_regs,
     )
-    if heads < 64 or split:
-        num_warps = sdg.NARROW_CONSUMER_WARPS
     ptrs = dict(PTRS, kv_ptr="*bf16") if bf16_kv else PTRS
     sig = {}
     for n in names:
@@ -117,7 +112,9 @@ def compile_kernel(
     src = GluonASTSource(
         fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs
     )
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=sdg.CONSUMER_WARPS, maxnreg=maxnreg)
+    )
 
 
 def _sass_re(pat: str) -> str:
@@ -174,9 +171,6 @@ def main() -> int:
     ap.add_argument(
         "--align", type=int, default=16, choices=(2, 4, 8, 16), help="--bf16-kv: bytes dividing every row address"
     )
-    ap.add_argument(
-        "--pair", action="store_true", help="64-head tiles with the consumers sharing every step (split_consumer=False)"
-    )
     ap.add_argument("--pv-regs", type=int, default=sdg.HopperConfig().pv_regs)
     ap.add_argument("--producer-regs", type=int, default=sdg.HopperConfig().producer_regs)
     ap.add_argument("--maxnreg", type=int, default=sdg.HopperConfig().maxnreg)
@@ -206,7 +200,6 @@ def main() -> int:
         bf16_kv=a.bf16_kv,
         align=a.align,
         max_logits=a.max_logits,
-        split=not a.pair,
         pv_regs=a.pv_regs,
     )
     md = k.metadata

@@ -6,8 +6,6 @@
   respected (the kernel tests then skip, and the report header says so).
 * ``tests/helpers.py`` is importable as ``helpers`` in every import mode.
 * ``@pytest.mark.gpu`` tests are skipped when CUDA is absent.
-* ``--hopper-consumer pair|split`` runs every Hopper-backend call of the session with that
-  organisation of the 64-head consumer (``HopperConfig.split_consumer``; default: the library's).
 """
 
 from __future__ import annotations
@@ -39,24 +37,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     for _mod in ("decode.portable", "decode.combine", "prefill.portable", "indexer.kernels",
                  "serving.store", "serving.index_convert"):  # fmt: skip
         importlib.import_module(f"sparse_mla.{_mod}")
-
-
-def pytest_addoption(parser):
-    parser.addoption(
-        "--hopper-consumer",
-        choices=("default", "pair", "split"),
-        default="default",
-        help="64-head consumer of the Hopper kernel for this session (HopperConfig.split_consumer)",
-    )
-
-
-@pytest.fixture(autouse=True)
-def _hopper_consumer(request, monkeypatch):
-    choice = request.config.getoption("--hopper-consumer")
-    if choice != "default":
-        from sparse_mla.decode import hopper
-
-        monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", hopper.HopperConfig(split_consumer=choice == "split"))
 
 
 def pytest_report_header(config):

@@ -27,31 +27,25 @@ Structure of one CTA (one scheduler partition x one query token x 64 heads), Fla
   prefill on bf16 rows ``[s_kv, 1, d_qk]``, :mod:`sparse_mla.prefill.hopper`): each block's rows
   are copied into the stage with ``cp.async`` (:func:`_copy_block`; no conversion, no registers
   for the tile) and ``ready[stage]`` completes through the copies' mbarrier arrivals.
-* **consumers split by role** (the default, ``HopperConfig.split_consumer``; FlashMLA's
-  organisation): warpgroup 0 (:func:`_consumer_qk`, the default partition, 216 registers) stages
-  Q, computes the whole ``S = Q Kᵀ [64, 64]`` per block (N = 64: Q is read from smem once per
-  block), runs the online softmax inside the warpgroup (no cross-warpgroup max/sum), hands P and
-  the 64 row factors to warpgroup 1 through smem (``p_full`` / ``p_empty`` mbarriers) and does
-  ``O[:, :256] += P V``; warpgroup 1 (:func:`_consumer_pv`, a worker at ``pv_regs``) rescales its
-  ``O[:, 256:]`` by the row factors and adds ``P V`` on the other half, overlapping warpgroup 0's
-  next QKᵀ. Both release the stage (``empty`` counts 2 arrivals); at the end of a request piece
-  the epilogue's row factor travels the same way and each warpgroup stores its half. Measured on
-  the H200 against the shared organisation below: consumer alone 151 vs 189 µs, whole kernel
-  236 vs 255 µs (b=64, h_q=128), bf16 prefill at h_q 64 2738 vs 3291 µs (docs/perf-log.md).
-* **consumers sharing every step** (``split_consumer=False``; 8 warps = 2 warpgroups): per request piece it stages
-  ``Q [64, 576]`` (MODEL1: ``[64, 512]``) bf16 in smem once; per block it waits ``ready[stage]``, computes
-  ``S = Q Kᵀ [64, 64]`` with one wgmma whose accumulator layout is ``warps_per_cta = [4, 2]``: the
-  two warpgroups each compute 32 of the 64 key columns (QKᵀ is done once, not twice); exp2
-  online softmax (row max / row sum cross the two warpgroups through a small smem scratch that
-  the compiler inserts); P (bf16) goes to smem; ``O += P V`` with ``V = K[:, :512]``, accumulator
-  ``[64, 512]`` fp32 in the ``[4, 2]`` wgmma layout: warpgroup 0 owns columns 0-255, warpgroup 1
-  columns 256-511 (128 fp32 registers per thread each). After the PV wgmma the stage is released
-  (``empty[stage]`` arrive).
+* **consumers split by role** (64-head tiles; FlashMLA's organisation): warpgroup 0
+  (:func:`_consumer_qk`, the default partition, 216 registers) stages ``Q [64, 576]`` (MODEL1:
+  ``[64, 512]``) bf16 in smem once per request piece; per block it waits ``ready[stage]``, computes
+  the whole ``S = Q Kᵀ [64, 64]`` (N = 64: Q is read from smem once per block), runs the exp2
+  online softmax inside the warpgroup (no cross-warpgroup max/sum), hands P (bf16) and the 64 row
+  factors to warpgroup 1 through smem (``p_full`` / ``p_empty`` mbarriers) and does
+  ``O[:, :256] += P V`` with ``V = K[:, :512]``; warpgroup 1 (:func:`_consumer_pv`, a worker at
+  ``pv_regs``) rescales its ``O[:, 256:]`` by the row factors and adds ``P V`` on the other half,
+  overlapping warpgroup 0's next QKᵀ (128 fp32 accumulator registers per thread each). Both
+  release the stage (``empty`` counts 2 arrivals); at the end of a request piece the epilogue's row
+  factor travels the same way and each warpgroup stores its half. It replaced (session 8) two
+  warpgroups that shared every step (QKᵀ on 32 key columns each, row max/sum exchanged through
+  smem): consumer alone 151 against 189 µs, whole kernel 236 against 255 µs at b=64/h_q=128, bf16
+  prefill at h_q 64 2738 against 3291 µs (docs/perf-log.md).
 
 Shared memory (power-of-two shapes only, so Q and K are NoPE [.., 512] + RoPE [.., 64] allocations):
 Q + a 2-stage K ring + P + masks + barriers, just under the H100/H200 opt-in limit of 227 KiB.
 Registers: ``maxnreg`` for 12 warps (1 CTA/SM); the producer runs at ``producer_regs`` (one
-block's gathers in flight), the consumer at what is left (``setmaxnreg``).
+block's gathers in flight), warpgroup 1 at ``pv_regs``, warpgroup 0 at what is left (``setmaxnreg``).
 ``scripts/gluon_compile_check.py`` prints the compiled budget (smem, registers, spills); where
 the time goes (producer alone, consumer alone, ncu stall samples) is in docs/perf-log.md, measured
 with the profiling modes of :class:`HopperConfig` (set only by the profiling tools).
@@ -117,8 +111,7 @@ BLOCK_N = 64  # tokens per block (= scheduler block)
 D_NOPE = gl.constexpr(512)
 D_ROPE = gl.constexpr(64)
 NUM_STAGES = gl.constexpr(2)
-CONSUMER_WARPS = 8
-NARROW_CONSUMER_WARPS = 4  # one warpgroup: 16- or 32-head tiles (_consumer_narrow)
+CONSUMER_WARPS = 4  # the default partition: one warpgroup (_consumer_qk, or _consumer_narrow)
 
 # profiling modes (HopperConfig.profile; set only by scripts/profile_gluon.py and the benchmarks'
 # variant runner): outputs are garbage in every mode but OFF
@@ -141,10 +134,7 @@ class HopperConfig:
         narrow_producer_warps: warps of each of the two producer partitions beside the
             one-warpgroup consumer of 16- or 32-head tiles (:func:`_consumer_narrow`), where the
             producer's per-token work is what bounds the kernel.
-        split_consumer: 64-head tiles with the consumers split by role (:func:`_consumer_qk`:
-            QKᵀ, softmax, left half of P·V; :func:`_consumer_pv`: right half of P·V; the default)
-            or two warpgroups that share every step (:func:`_consumer_wide`).
-        pv_regs: registers per thread of the P·V warpgroup when ``split_consumer``.
+        pv_regs: registers per thread of the P·V warpgroup of 64-head tiles (:func:`_consumer_pv`).
     """
 
     producer_warps: int = 4
@@ -152,12 +142,9 @@ class HopperConfig:
     maxnreg: int = 168
     profile: int = PROFILE_OFF
     narrow_producer_warps: int = 4
-    split_consumer: bool = True
     pv_regs: int = 160
 
     def __post_init__(self) -> None:
-        if not isinstance(self.split_consumer, bool):
-            raise ValueError(f"HopperConfig.split_consumer: expected a bool, got {self.split_consumer!r}")
         for name in ("producer_warps", "producer_regs", "maxnreg", "narrow_producer_warps", "pv_regs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -481,166 +468,6 @@ def _producer(
 
 
 # --------------------------------------------------------------------------------------------- consumer
-@gluon.jit
-def _consumer_wide(
-    q,
-    sink_ptr,
-    sched,
-    out,
-    lse,
-    o_acc,
-    lse_acc,
-    max_logits,
-    scale_log2,
-    h_q,
-    q_smem,
-    qr_smem,
-    p_smem,
-    ring,
-    KV_BF16: gl.constexpr,
-    IS_V32: gl.constexpr,
-    HAS_EXTRA: gl.constexpr,
-    HAS_SINK: gl.constexpr,
-    HAS_MAX_LOGITS: gl.constexpr,
-    PROFILE: gl.constexpr,
-):
-    """QKᵀ, online softmax and P·V over the staged K tiles; writes out/lse or the split partials."""
-    q_ptr, stride_qb, stride_qs, stride_qh = q
-    _meta_ptr, nsplit_ptr, _mainblk_ptr, _nblk_ptr = sched
-    out_ptr, stride_ob, stride_os, stride_oh = out
-    lse_ptr, stride_lb, stride_lh, stride_ls = lse
-    oacc_ptr, stride_ar, stride_as, stride_ah = o_acc
-    lacc_ptr, stride_lr, stride_lsq = lse_acc
-    ml_ptr, stride_mlb, stride_mlh = max_logits
-    k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
-    NW: gl.constexpr = gl.num_warps()
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4], instr_shape=[16, 32, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NW // 4], instr_shape=[16, 256, 16])
-    SROW: gl.constexpr = gl.SliceLayout(1, S_L)
-    SCOL: gl.constexpr = gl.SliceLayout(0, S_L)
-    OROW: gl.constexpr = gl.SliceLayout(1, O_L)
-    OCOL: gl.constexpr = gl.SliceLayout(0, O_L)
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-
-    sq = gl.program_id(1)
-    hb = gl.program_id(2)
-    prow = _partition_row(sched[0])
-    begin_req, end_req, begin_split = prow[0], prow[1], prow[4]
-
-    # h_q not a multiple of 64: the last tile's rows past h_q are zero queries, never stored
-    heads_s = hb * 64 + gl.arange(0, 64, layout=SROW)
-    heads_o = hb * 64 + gl.arange(0, 64, layout=OROW)
-    hmask_s = heads_s < h_q
-    hmask_o = gl.expand_dims(heads_o < h_q, 1)
-    cols_o = gl.arange(0, D_NOPE, layout=OCOL)
-    qr = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, QL))
-    qc = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-    qmask = gl.expand_dims(qr < h_q, 1)
-    if HAS_SINK:
-        sink_log2 = gl.load(sink_ptr + heads_s, mask=hmask_s, other=0.0) * 1.4426950408889634
-
-    it = 0
-    req = begin_req
-    while req <= end_req:
-        blk0, blk1 = _request_blocks(sched, prow, req, HAS_EXTRA)
-        split = gl.where(req == begin_req, begin_split, 0)
-        split_base = gl.load(nsplit_ptr + req)
-        n_splits = gl.load(nsplit_ptr + req + 1) - split_base
-
-        # stage Q once for this request piece, in column chunks of 64: V32 [64, 576] (NoPE + RoPE
-        # tiles), MODEL1 [64, 512] (one tile, like its K rows)
-        qbase = q_ptr + req.to(gl.int64) * stride_qb + sq * stride_qs
-        qrow = qbase + gl.expand_dims(qr.to(gl.int64) * stride_qh, 1) + gl.expand_dims(qc, 0)
-        for c in gl.static_range(D_NOPE // 64):
-            q_smem.slice(c * 64, 64, dim=1).store(gl.load(qrow + c * 64, mask=qmask, other=0.0))
-        if IS_V32:
-            qr_smem.store(gl.load(qrow + D_NOPE, mask=qmask, other=0.0))
-        fence_async_shared()
-        _cta_barrier()
-
-        m_i = gl.full([64], float("-inf"), gl.float32, SROW)
-        l_i = gl.zeros([64], gl.float32, SROW)
-        acc = gl.zeros([64, D_NOPE], gl.float32, O_L)
-        for _blk in range(blk0, blk1):
-            stage = it % 2
-            phase = (it // 2) & 1
-            mbarrier.wait(ready_bars.index(stage), phase)
-            if KV_BF16:
-                # the stage was written by cp.async (generic proxy) and is read by wgmma (async
-                # proxy); the writers cannot fence after their copies land, so the reader does
-                fence_async_shared()
-            if PROFILE == 1:  # PROFILE_PRODUCER_ONLY
-                _cta_barrier()
-                mbarrier.arrive(empty_bars.index(stage), count=1)
-            else:
-                kbuf = k_smem.index(stage)
-                s = warpgroup_mma(q_smem, kbuf.permute([1, 0]), gl.zeros([64, 64], gl.float32, S_L), use_acc=False)
-                if IS_V32:
-                    s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute([1, 0]), s)
-                bias = mask_smem.index(stage).load(SCOL)
-                # a select, not an add: an invalid token's score is q·0, NaN when q holds an inf
-                s = gl.where(gl.expand_dims(bias, 0) == 0.0, s * scale_log2, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_safe)
-                p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, OROW), 1)
-                # the previous block's PV (the last reader of P) completed before that block's final
-                # barrier, so P can be overwritten without another barrier here
-                p_smem.store(p.to(gl.bfloat16))
-                fence_async_shared()
-                _cta_barrier()
-                acc = warpgroup_mma(p_smem, kbuf, acc)
-                # both warpgroups finished their PV wgmma on this stage -> release it to the producer
-                _cta_barrier()
-                mbarrier.arrive(empty_bars.index(stage), count=1)
-            it += 1
-
-        # epilogue (same formulas as the tl kernel)
-        lonely = l_i == 0.0
-        l_safe = gl.where(lonely, 1.0, l_i)
-        m_safe2 = gl.where(lonely, 0.0, m_i)
-        lse2 = gl.where(lonely, float("-inf"), gl.log2(l_safe) + m_safe2)
-        if n_splits <= 1:
-            denom = l_safe
-            if HAS_SINK:
-                denom += gl.exp2(sink_log2 - m_safe2)
-            scale_row = gl.where(lonely, 0.0, 1.0 / denom)
-            o = acc * gl.expand_dims(gl.convert_layout(scale_row, OROW), 1)
-            optr = (
-                out_ptr
-                + req.to(gl.int64) * stride_ob
-                + sq * stride_os
-                + gl.expand_dims(heads_o * stride_oh, 1)
-                + gl.expand_dims(cols_o, 0)
-            )
-            gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
-            lse_v = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
-            gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse_v, mask=hmask_s)
-            if HAS_MAX_LOGITS:  # (sparse prefill: s_q 1, never split) max of q·k·sm_scale, -inf for no
-                # key; NaN scores are skipped by the max and show in l_i (prefill.reference.max_logits_rule)
-                gl.store(
-                    ml_ptr + req.to(gl.int64) * stride_mlb + heads_s * stride_mlh,
-                    gl.where((l_i != l_i) & (m_i != float("inf")), float("nan"), m_i * 0.6931471805599453),
-                    mask=hmask_s,
-                )
-        else:
-            row = (split_base + split).to(gl.int64)
-            o = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, OROW), 1)
-            aptr = (
-                oacc_ptr
-                + row * stride_ar
-                + sq * stride_as
-                + gl.expand_dims(heads_o * stride_ah, 1)
-                + gl.expand_dims(cols_o, 0)
-            )
-            gl.store(aptr, o, mask=hmask_o)
-            gl.store(lacc_ptr + row * stride_lr + sq * stride_lsq + heads_s, lse2, mask=hmask_s)
-        req += 1
-
-
 # ------------------------------------------------------------------------ consumer split by role (FlashMLA-like)
 @gluon.jit
 def _consumer_qk(
@@ -666,7 +493,7 @@ def _consumer_qk(
     HAS_MAX_LOGITS: gl.constexpr,
     PROFILE: gl.constexpr,
 ):
-    """64-head tiles, consumers split by role (``HopperConfig.split_consumer``), warpgroup 0 (the
+    """64-head tiles, consumers split by role, warpgroup 0 (the
     default partition): the whole ``S = Q Kᵀ [64, 64]`` (one warpgroup, N = 64: Q is read from smem
     once per block), the online softmax inside the warpgroup (no cross-warpgroup max/sum), P and the
     row factors handed to warpgroup 1 (:func:`_consumer_pv`) through smem, and ``O[:, :256] += P V``.
@@ -792,7 +619,8 @@ def _consumer_qk(
             gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
             lse_v = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
             gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse_v, mask=hmask_s)
-            if HAS_MAX_LOGITS:  # see _consumer_wide
+            if HAS_MAX_LOGITS:  # (sparse prefill: s_q 1, never split) max of q·k·sm_scale, -inf for no
+                # key; NaN scores are skipped by the max and show in l_i (prefill.reference.max_logits_rule)
                 gl.store(
                     ml_ptr + req.to(gl.int64) * stride_mlb + heads_s * stride_mlh,
                     gl.where((l_i != l_i) & (m_i != float("inf")), float("nan"), m_i * 0.6931471805599453),
@@ -1047,43 +875,6 @@ def _consumer_narrow(
         req += 1
 
 
-@gluon.jit
-def _consumer(
-    q,
-    sink_ptr,
-    sched,
-    out,
-    lse,
-    o_acc,
-    lse_acc,
-    max_logits,
-    scale_log2,
-    h_q,
-    q_smem,
-    qr_smem,
-    p_smem,
-    ring,
-    KV_BF16: gl.constexpr,
-    IS_V32: gl.constexpr,
-    HAS_EXTRA: gl.constexpr,
-    HAS_SINK: gl.constexpr,
-    HAS_MAX_LOGITS: gl.constexpr,
-    PROFILE: gl.constexpr,
-):
-    """The default partition: 64-head tiles (:func:`_consumer_wide`, 2 warpgroups) or 16- or 32-head tiles
-    (:func:`_consumer_narrow`, 1 warpgroup), by the Q tile's rows."""
-    if q_smem.shape[0] == 64:
-        _consumer_wide(
-            q, sink_ptr, sched, out, lse, o_acc, lse_acc, max_logits, scale_log2, h_q, q_smem, qr_smem, p_smem,
-            ring, KV_BF16, IS_V32, HAS_EXTRA, HAS_SINK, HAS_MAX_LOGITS, PROFILE,
-        )  # fmt: skip
-    else:
-        _consumer_narrow(
-            q, sink_ptr, sched, out, lse, o_acc, lse_acc, max_logits, scale_log2, h_q, q_smem, qr_smem, p_smem,
-            ring, KV_BF16, IS_V32, HAS_EXTRA, HAS_SINK, HAS_MAX_LOGITS, PROFILE,
-        )  # fmt: skip
-
-
 # --------------------------------------------------------------------------------------------- kernel
 @gluon.jit
 def _sparse_decode_gluon_kernel(
@@ -1151,7 +942,6 @@ def _sparse_decode_gluon_kernel(
     PRODUCER_REGS: gl.constexpr,
     PROFILE: gl.constexpr,
     HEADS: gl.constexpr,
-    SPLIT_CONSUMER: gl.constexpr,
     PV_REGS: gl.constexpr,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / HEADS))``; flat arguments (``scripts/gluon_compile_check.py``
@@ -1174,18 +964,17 @@ def _sparse_decode_gluon_kernel(
     # ready: the producer's one plain arrive, and (KV_BF16 with cp.async) each producer thread's
     # cp.async arrive (.noinc: counted here) when its copies have landed
     READY_COUNT: gl.constexpr = 1 + PRODUCER_WARPS * 32 if KV_BF16 and ALIGN >= 4 and PROFILE != 2 else 1
-    # split consumers (64-head tiles): both warpgroups release a stage, and hand P and the row
-    # factors over through row_smem with the p_full / p_empty pair
-    SPLIT: gl.constexpr = SPLIT_CONSUMER and HEADS == 64
+    # 64-head tiles: both consumer warpgroups release a stage, and hand P and the row factors
+    # over through row_smem with the p_full / p_empty pair
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready_bars.index(i), count=READY_COUNT)
-        mbarrier.init(empty_bars.index(i), count=2 if SPLIT else 1)
+        mbarrier.init(empty_bars.index(i), count=2 if HEADS == 64 else 1)
 
     sched = (meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr)
     ring = (k_smem, kr_smem, mask_smem, ready_bars, empty_bars)
     # (constexpr arguments must be written out in each partition's tuple: a tuple held in a
     # variable passes them as runtime values)
-    if SPLIT:
+    if HEADS == 64:
         row_smem = gl.allocate_shared_memory(
             gl.float32, [64], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         )
@@ -1262,65 +1051,11 @@ def _sparse_decode_gluon_kernel(
             [4, PRODUCER_WARPS],
             [PV_REGS, PRODUCER_REGS],
         )
-    elif HEADS == 64:
-        gl.warp_specialize(
-            [
-                (
-                    _consumer,
-                    (
-                        (q_ptr, stride_qb, stride_qs, stride_qh),
-                        sink_ptr,
-                        sched,
-                        (out_ptr, stride_ob, stride_os, stride_oh),
-                        (lse_ptr, stride_lb, stride_lh, stride_ls),
-                        (oacc_ptr, stride_ar, stride_as, stride_ah),
-                        (lacc_ptr, stride_lr, stride_lsq),
-                        (ml_ptr, stride_mlb, stride_mlh),
-                        scale_log2,
-                        h_q,
-                        q_smem,
-                        qr_smem,
-                        p_smem,
-                        ring,
-                        KV_BF16,
-                        IS_V32,
-                        HAS_EXTRA,
-                        HAS_SINK,
-                        HAS_MAX_LOGITS,
-                        PROFILE,
-                    ),
-                ),
-                (
-                    _producer,
-                    (
-                        (kv_ptr, stride_blk, stride_tok, num_tokens, pbs),
-                        (xkv_ptr, x_stride_blk, x_num_tokens, x_pbs),
-                        (idx_ptr, stride_ib, stride_is, stride_it, topk, topk_len_ptr),
-                        (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
-                        sched,
-                        ring,
-                        KV_BF16,
-                        IS_V32,
-                        HAS_TOPK_LEN,
-                        HAS_EXTRA,
-                        HAS_EXTRA_LEN,
-                        PBS_POW2,
-                        PBS_LOG2,
-                        ALIGN,
-                        PROFILE,
-                        0,
-                        1,
-                    ),
-                ),
-            ],
-            [PRODUCER_WARPS],
-            [PRODUCER_REGS],
-        )
     else:  # narrow tiles: two producer partitions take alternate blocks
         gl.warp_specialize(
             [
                 (
-                    _consumer,
+                    _consumer_narrow,
                     (
                         (q_ptr, stride_qb, stride_qs, stride_qh),
                         sink_ptr,
@@ -1536,11 +1271,10 @@ def launch(
         PRODUCER_REGS=config.producer_regs,
         PROFILE=config.profile,
         HEADS=heads,
-        SPLIT_CONSUMER=config.split_consumer,
         PV_REGS=config.pv_regs,
     )
-    num_warps = NARROW_CONSUMER_WARPS if narrow or config.split_consumer else CONSUMER_WARPS
-    launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, {"num_warps": num_warps, "maxnreg": config.maxnreg})
+    options = {"num_warps": CONSUMER_WARPS, "maxnreg": config.maxnreg}
+    launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options)
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)
     return out, lse
