@@ -7,7 +7,7 @@ top-k, against the measured ceilings (issue targets in the closing notes).
   the work inside the ranges (``2·H·D`` per visible pair), % of the FP8 matmul peak
   (``torch._scaled_mm`` 8192³ where available, else the bf16 peak);
 * top-k 2048 of 32K per row, 256 rows: µs against one read of the logits at copy bandwidth and
-  against ``torch.topk``.
+  against ``torch.topk``, sorted (rank order) and unsorted (``sorted=False``, both libraries).
 
     python -m benchmarks.indexer [--quick] [--json PATH]
 """
@@ -78,6 +78,10 @@ def bench_topk(quick: bool, copy_gbs: float) -> dict:
     # CUDA-graph replay (as a decode step runs it: no host time between the kernels), both ops
     us_graph = harness.graph_replay_us(lambda i: lambda: flash_mla.topk_indices(x, k), 1, quick)
     us_torch_graph = harness.graph_replay_us(lambda i: lambda: torch.topk(x, k, dim=1), 1, quick)
+    # the same sets in no set order (our final sort left out; torch.topk's sorted=False)
+    us_unsorted = harness.median_us(lambda: flash_mla.topk_indices(x, k, sorted=False), quick)
+    us_torch_unsorted = harness.median_us(lambda: torch.topk(x, k, dim=1, sorted=False), quick)
+    us_kv_unsorted = harness.median_us(lambda: flash_mla.topk_kvcache_indices(x, k, table, 64, 2, sorted=False), quick)
     read_us = rows * n * 4 / (copy_gbs * 1e9) * 1e6
     return dict(
         kind="topk",
@@ -89,6 +93,9 @@ def bench_topk(quick: bool, copy_gbs: float) -> dict:
         us_kvcache_indices=us_kv,
         us_graph=us_graph,
         us_torch_topk_graph=us_torch_graph,
+        us_unsorted=us_unsorted,
+        us_torch_topk_unsorted=us_torch_unsorted,
+        us_kvcache_indices_unsorted=us_kv_unsorted,
         read_us=read_us,
         x_read=us / read_us,
         x_torch=us / us_torch,

@@ -75,14 +75,16 @@ def cases(arch: int):
     yield "prefill H=64 D=128", K._mqa_logits_kernel, consts, fc["num_warps"]
     tc = K.TOPK_CONFIG
     topk = dict(
-        BLOCK=tc["block"], BITS=8, K_P2=2048, SLOTS=False, FOR_LOOP=True, COMPACT=True, S_P2=8, HB=tc["hist_bits"]
-    )
+        BLOCK=tc["block"], BITS=8, K_P2=2048, SLOTS=False, FOR_LOOP=True, COMPACT=True, S_P2=8, HB=tc["hist_bits"],
+        PROFILE=0, SORTED=True,
+    )  # fmt: skip
     seg = dict(S_P2=8, BLOCK=tc["block"], FOR_LOOP=True, HB=tc["hist_bits"])
     for level in (0, 1):
         yield f"topk histogram level {level}", K._topk_hist_kernel, {**seg, "LEVEL": level}, tc["num_warps"]
     yield "topk split", K._topk_split_kernel, seg, tc["num_warps"]
     yield "topk k=2048 (candidate list)", K._topk_kernel, topk, tc["final_warps"] or tc["num_warps"]
     yield "topk slots k=2048", K._topk_kernel, {**topk, "SLOTS": True}, tc["final_warps"] or tc["num_warps"]
+    yield "topk k=2048 unsorted", K._topk_kernel, {**topk, "SORTED": False}, tc["final_warps"] or tc["num_warps"]
     single = {**topk, "COMPACT": False, "S_P2": 1}
     yield "topk k=2048 single kernel", K._topk_kernel, single, tc["num_warps"]
     yield "topk k=2048 single kernel, 4-bit digits", K._topk_kernel, {**single, "BITS": 4}, tc["num_warps"]

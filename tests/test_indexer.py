@@ -421,6 +421,55 @@ def test_topk_kernel_configs_match_twin(n, k, cfg):
     assert torch.equal(out.cpu(), topk_indices_reference(x.cpu(), k, lo.cpu(), hi.cpu()))
 
 
+def _same_sets(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Row by row the same entries (in any order) and ``-1`` in the same columns."""
+    got, want = got.cpu(), want.cpu()
+    return torch.equal(got == -1, want == -1) and torch.equal(got.sort(dim=-1).values, want.sort(dim=-1).values)
+
+
+@pytest.mark.parametrize(
+    "n, k, cfg",
+    [
+        (3000, 100, {"compact": 0, "block": 512}),
+        (3000, 100, {"compact": 64, "block": 512}),
+        (5000, 300, {"compact": 2048, "block": 256, "programs_per_sm": 1}),
+    ],
+)
+def test_topk_unsorted_is_the_same_set(n, k, cfg):
+    # sorted=False leaves the kernels' final sort out: the same entries (the tie rule included) in
+    # the order the select wrote them, on the single-kernel path and both candidate-list paths
+    from sparse_mla.indexer.kernels import launch_topk
+
+    x, lo, hi = _tied_rows(n, k)
+    x[5:] = torch.randn(2, n) * 3
+    x, lo, hi = x.to(DEVICE), lo.to(DEVICE).clamp(0, n), hi.to(DEVICE).clamp(0, n)
+    hi = torch.maximum(hi, lo)
+    hi[5] = n
+    out = torch.empty(x.shape[0], k, dtype=torch.int32, device=DEVICE)
+    launch_topk(x, lo, hi, out, k, k, config=cfg, ordered=False)
+    want = topk_indices_reference(x.cpu(), k, lo.cpu(), hi.cpu())
+    assert _same_sets(out, want)
+    assert not torch.equal(out.cpu(), want)  # the order is not the rank order (the sort really is left out)
+
+
+def test_topk_sorted_argument():
+    g = torch.Generator().manual_seed(5)
+    b, next_n, n, k, pbs = 2, 2, 300, 40, 16
+    logits = torch.randn(b * next_n, n, generator=g).to(DEVICE)
+    ends = torch.tensor([300, 20, 150, 299], device=DEVICE)
+    want = flash_mla.topk_indices(logits, k, row_ends=ends)
+    assert _same_sets(flash_mla.topk_indices(logits, k, row_ends=ends, sorted=False), want)
+    table = torch.randperm(64, generator=g).view(b, 32).int().to(DEVICE)
+    want_slots = flash_mla.topk_kvcache_indices(logits, k, table, pbs, next_n, row_ends=ends)
+    got_slots = flash_mla.topk_kvcache_indices(logits, k, table, pbs, next_n, row_ends=ends, sorted=False)
+    assert got_slots.shape == want_slots.shape and _same_sets(got_slots, want_slots)
+    for bad in (1, None, "no"):
+        with pytest.raises(TypeError, match="sorted: expected a bool"):
+            flash_mla.topk_indices(logits, k, sorted=bad)
+        with pytest.raises(TypeError, match="sorted: expected a bool"):
+            flash_mla.topk_kvcache_indices(logits, k, table, pbs, next_n, sorted=bad)
+
+
 @pytest.mark.parametrize("pbs, next_n, k", [(1, 1, 7), (3, 2, 16), (64, 3, 40)])
 def test_topk_kvcache_indices_match_twin_at_the_table_edges(pbs, next_n, k):
     # the fused slot map against topk + abs_indices_to_kvcache_indices: positions past the block
@@ -642,6 +691,10 @@ def test_operators_opcheck_and_compile():
 
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args[:6])
     assert torch.equal(got, flash_mla.topk_indices(logits, 5))
+    res = torch.library.opcheck(torch.ops.sparse_mla.topk_indices.default, (logits, 5, None, None, False))
+    assert all(v == "SUCCESS" for v in res.values()), res
+    unsorted = torch.compile(lambda x: flash_mla.topk_indices(x, 5, sorted=False), fullgraph=True, backend="aot_eager")
+    assert _same_sets(unsorted(logits), flash_mla.topk_indices(logits, 5))
 
     # the Python functions themselves compile to the operators
     def api_step(k, cache, slots, q, w, ctx, table, meta):

@@ -382,8 +382,9 @@ def launch_paged_mqa_logits(
 # candidate list (on the row if the bucket was larger than the list) and selects the entries above
 # the k-th key and the lowest-position entries equal to it. Without ``compact`` one program per row
 # does every pass over the row (32 / BITS histogram passes, then the select). Either way the row's
-# program then sorts its k keys (descending: rank order) and writes the positions, ``-1`` past the
-# row's candidates, or (``SLOTS``) the cache slots they map to through the block table.
+# program then sorts its k keys (descending: rank order; left out when the caller asks for no order,
+# ``SORTED`` false) and writes the positions, ``-1`` past the row's candidates, or (``SLOTS``) the
+# cache slots they map to through the block table.
 # (``tl.histogram`` costs about log2(bins) warp ballots plus, per bin a lane owns, log2(bins) mask
 # operations and a popcount per 32 entries: ~2.8 warp instructions per entry at 256 bins, which is
 # what a histogram level costs on the H200.)
@@ -650,9 +651,11 @@ def _topk_kernel(
     bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr, cap, hist_ptr, stride_hr, n_seg,
     BLOCK: tl.constexpr, BITS: tl.constexpr, K_P2: tl.constexpr, SLOTS: tl.constexpr, FOR_LOOP: tl.constexpr,
     COMPACT: tl.constexpr, S_P2: tl.constexpr = 1, HB: tl.constexpr = 8, PROFILE: tl.constexpr = 0,
+    SORTED: tl.constexpr = True,
 ):  # fmt: skip
     """Grid ``(rows,)``: ``out[r, :min(k, K_P2)]`` = row ``r``'s best positions in rank order
-    (``-1`` past its ``min(k, hi - lo)`` candidates), or with ``SLOTS`` their cache slots through
+    (without ``SORTED``: in the order the select wrote them, the final sort left out; ``-1`` past
+    its ``min(k, hi - lo)`` candidates either way), or with ``SLOTS`` their cache slots through
     ``block_table[r // next_n]`` (``-1`` where a position has none). ``scr[r, :K_P2]``: scratch.
     ``COMPACT`` (8-bit digits; after :func:`_topk_hist_kernel` at its ``16 / HB`` levels and
     :func:`_topk_split_kernel`): the k-th key's top 16 bits come from the row's histograms; when
@@ -693,7 +696,7 @@ def _topk_kernel(
     tl.debug_barrier()  # every thread's scratch stores before any thread's loads
     rank = tl.arange(0, K_P2)
     top = tl.load(scr + rank, mask=rank < kk, other=-9223372036854775808)
-    if PROFILE == 0:
+    if PROFILE == 0 and SORTED:
         top = tl.sort(top, descending=True)
     low = top - ((top >> 32) << 32)  # 2^32 - 1 - position
     res = tl.where(rank < kk, 4294967295 - low, -1)
@@ -718,12 +721,12 @@ TOPK_CONFIG = dict(
 _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 
 
-def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_n=1, config=None) -> None:
+def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_n=1, config=None, ordered=True) -> None:
     """``logits [rows, n]`` (row stride any, entries contiguous), ``lo``/``hi`` ``[rows]`` int32 or
     int64 (clamped to ``[0, n]`` here),
     ``out [rows, k]`` int32 (entries contiguous): each row's ``min(k, hi - lo)`` best positions in
-    rank order and ``-1`` after them, in columns ``< next_power_of_2(kk)`` (``kk = min(k, n)``; the
-    caller fills any column past that). With ``table`` (``[b, max_blocks]`` int32/int64, entries
+    rank order (``ordered``; else in no set order) and ``-1`` after them, in columns
+    ``< next_power_of_2(kk)`` (``kk = min(k, n)``; the caller fills any column past that). With ``table`` (``[b, max_blocks]`` int32/int64, entries
     contiguous, ``b = rows / next_n``) the positions become cache slots as
     :func:`sparse_mla.serving.reference.abs_indices_to_kvcache_indices` maps them."""
     require_runnable(
@@ -778,5 +781,6 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
         bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
         cand, cand.stride(0), cap, hist, hist.stride(0), n_seg,
         BLOCK=block, BITS=cfg["bits"], K_P2=k_p2, SLOTS=slots, FOR_LOOP=for_loop, COMPACT=cap > 0, S_P2=s_p2,
-        HB=hb, PROFILE=int(cfg.get("profile", 0)), num_warps=(cfg["final_warps"] if cap else 0) or cfg["num_warps"],
+        HB=hb, PROFILE=int(cfg.get("profile", 0)), SORTED=bool(ordered),
+        num_warps=(cfg["final_warps"] if cap else 0) or cfg["num_warps"],
     )  # fmt: skip

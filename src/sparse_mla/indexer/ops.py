@@ -93,13 +93,17 @@ def _(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_contex
 
 @torch.library.custom_op("sparse_mla::topk_indices", mutates_args=())
 def _topk_op(
-    logits: torch.Tensor, k: int, row_starts: torch.Tensor | None = None, row_ends: torch.Tensor | None = None
+    logits: torch.Tensor,
+    k: int,
+    row_starts: torch.Tensor | None = None,
+    row_ends: torch.Tensor | None = None,
+    ordered: bool = True,
 ) -> torch.Tensor:
-    return _topk(logits, k, row_starts, row_ends)
+    return _topk(logits, k, row_starts, row_ends, sorted=ordered)
 
 
 @_topk_op.register_fake
-def _(logits, k, row_starts=None, row_ends=None):
+def _(logits, k, row_starts=None, row_ends=None, ordered=True):
     _need_dims(logits, "logits", 2)
     if k < 1:
         raise ValueError(f"k: expected an int >= 1, got {k}")

@@ -9,7 +9,8 @@ On CUDA (and under the interpreter) Triton kernels (:func:`.kernels.launch_topk`
 k-th best 32-bit key by a radix select: two 8-bit histogram levels over row segments fix its top 16
 bits, a split pass writes the entries above that bucket and gathers the bucket's entries into a
 candidate list, and one program per row finishes the select on that list (on the row when the
-bucket is larger than the list's capacity), sorts the k rank keys and writes the positions, or,
+bucket is larger than the list's capacity), sorts the k rank keys (unless ``sorted=False``) and
+writes the positions, or,
 for :func:`topk_kvcache_indices`, the cache slots they map to; elsewhere one
 ``torch.topk`` over all the rank keys (:func:`rank_keys`). No host synchronisation (CUDA-graph
 safe). Twin: :func:`sparse_mla.indexer.reference.topk_indices_reference`.
@@ -58,7 +59,12 @@ def _check_range(x: Any, name: str, rows: int, dev: torch.device) -> torch.Tenso
 
 @on_tensor_device
 def topk_indices(
-    logits: torch.Tensor, k: int, row_starts: torch.Tensor | None = None, row_ends: torch.Tensor | None = None
+    logits: torch.Tensor,
+    k: int,
+    row_starts: torch.Tensor | None = None,
+    row_ends: torch.Tensor | None = None,
+    *,
+    sorted: bool = True,
 ) -> torch.Tensor:
     """The ``k`` best positions of each row of ``logits`` (module doc for the ranking rule).
 
@@ -67,17 +73,21 @@ def topk_indices(
         k: positions per row (>= 1; may exceed ``n``).
         row_starts, row_ends: optional ``[rows]`` int32/int64: row ``r``'s candidates are
             positions ``row_starts[r] <= j < row_ends[r]`` (clamped to ``[0, n]``).
+        sorted: True: the positions in rank order. False: the same set in no set order (the
+            kernels leave their final sort out; the attention does not need the order), still
+            first in the row and ``-1`` after them.
 
     Returns:
-        ``[rows, k]`` int32 positions in rank order, ``-1`` past a row's number of candidates.
+        ``[rows, k]`` int32 positions, ``-1`` past a row's number of candidates.
 
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape or device.
     """
     _check_k(k)
+    _check_sorted(sorted)
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
-        return torch.ops.sparse_mla.topk_indices(logits, int(k), row_starts, row_ends)
-    return _topk(logits, int(k), row_starts, row_ends)
+        return torch.ops.sparse_mla.topk_indices(logits, int(k), row_starts, row_ends, sorted)
+    return _topk(logits, int(k), row_starts, row_ends, ordered=sorted)
 
 
 def _topk(
@@ -88,9 +98,11 @@ def _topk(
     table: torch.Tensor | None = None,
     page_block_size: int = 1,
     next_n: int = 1,
+    ordered: bool = True,
 ) -> torch.Tensor:
     """:func:`topk_indices` after its ``k`` check; with ``table`` the positions are mapped to cache
-    slots (``[rows, k]``; the caller checked ``table``, ``page_block_size`` and ``next_n``)."""
+    slots (``[rows, k]``; the caller checked ``table``, ``page_block_size`` and ``next_n``);
+    ``ordered`` False lets the kernels leave their sort out."""
     check_tensor_arg(logits, "logits", (torch.float32, torch.float16, torch.bfloat16), 2)
     if logits.device.type not in ("cpu", "cuda"):
         raise ValueError(f"logits: expected a CPU or CUDA tensor, got one on {logits.device}")
@@ -107,7 +119,7 @@ def _topk(
         hi = torch.full((rows,), n, dtype=torch.int64, device=dev) if hi is None else hi.contiguous()
         covered = k <= _next_pow2(kk)  # the kernel writes columns < next_pow2(kk)
         out = torch.empty((rows, k), dtype=torch.int32, device=dev) if covered else _minus_one((rows, k), dev)
-        launch_topk(x, lo, hi, out, k, kk, table, page_block_size, next_n)
+        launch_topk(x, lo, hi, out, k, kk, table, page_block_size, next_n, ordered=ordered)
         return out
     lo = torch.zeros(rows, dtype=torch.int64, device=dev) if lo is None else lo.long().clamp(0, n)
     hi = torch.full((rows,), n, dtype=torch.int64, device=dev) if hi is None else hi.long().clamp(0, n)
@@ -121,6 +133,11 @@ def _topk(
     if table is not None:
         out = abs_indices_to_kvcache_indices(out.view(rows // next_n, next_n, k), table, page_block_size).view(rows, k)
     return out
+
+
+def _check_sorted(x: Any) -> None:
+    if not isinstance(x, bool):
+        raise TypeError(f"sorted: expected a bool, got {type(x).__name__}")
 
 
 def _check_k(k: Any) -> None:
@@ -145,6 +162,8 @@ def topk_kvcache_indices(
     next_n: int = 1,
     row_starts: torch.Tensor | None = None,
     row_ends: torch.Tensor | None = None,
+    *,
+    sorted: bool = True,
 ) -> torch.Tensor:
     """:func:`topk_indices` turned into the decode's ``indices``: cache slots through the block table.
 
@@ -156,6 +175,8 @@ def topk_kvcache_indices(
         next_n: query tokens per request (the decode's ``s_q``).
         row_starts, row_ends: as :func:`topk_indices` (for a decode step ``row_ends[i * next_n + p] =
             context_lens[i] - next_n + p + 1``).
+        sorted: as :func:`topk_indices` (False: the same slots in no set order, which the decode
+            does not need).
 
     Returns:
         ``[b, next_n, k]`` int32 ``block * page_block_size + offset`` (``-1`` for no key), ready as
@@ -163,8 +184,9 @@ def topk_kvcache_indices(
     """
     if isinstance(next_n, bool) or not isinstance(next_n, numbers.Integral) or next_n < 1:
         raise ValueError(f"next_n: expected an int >= 1, got {next_n!r}")
+    _check_sorted(sorted)
     if torch.compiler.is_compiling():  # the top-k operator, then the slot map in torch ops
-        pos = topk_indices(logits, k, row_starts, row_ends)
+        pos = topk_indices(logits, k, row_starts, row_ends, sorted=sorted)
         rows = pos.shape[0]
         if rows % next_n:
             raise ValueError(f"logits: rows ({rows}) must be b * next_n with next_n={next_n}")
@@ -178,5 +200,5 @@ def topk_kvcache_indices(
     check_block_table(block_table, b, logits.device, page_block_size)
     page_block_size = int(page_block_size)  # (a NumPy integer passes the check)
     table = block_table if block_table.shape[1] < 2 or block_table.stride(1) == 1 else block_table.contiguous()
-    out = _topk(logits, int(k), row_starts, row_ends, table, page_block_size, int(next_n))
+    out = _topk(logits, int(k), row_starts, row_ends, table, page_block_size, int(next_n), ordered=sorted)
     return out.view(b, int(next_n), int(k))
