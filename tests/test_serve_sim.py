@@ -122,12 +122,13 @@ def test_indexer_step_in_one_graph_passes_its_check(layout):
     c = res["check"]
     assert c["ok"] and c["indexer_logits_ok"] and c["indexer_topk_ok"], c
     assert res["graph"] is (DEV == "cuda")
-    # the top-k really comes from the indexer: the last step's slots are the best-scoring keys
+    # the top-k really comes from the indexer: each row's slots (a set, in no set order) hold the
+    # best-scoring key's
     best = sim.logits.float().argmax(dim=1)  # row i's best position (a context token)
     table = sim.block_table.long()
     slot = table[torch.arange(3, device=table.device), best // cfg.page_block_size] * cfg.page_block_size
     slot += best % cfg.page_block_size
-    assert torch.equal(sim.idx_buf.view(3, -1)[:, 0].long(), slot)
+    assert (sim.idx_buf.view(3, -1).long() == slot.view(3, 1)).any(dim=1).all()
 
 
 def _serve_sim(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

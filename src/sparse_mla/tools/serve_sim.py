@@ -15,7 +15,8 @@ shuffled free list as contexts grow). Every step does what an engine does per de
    cache indices. With ``--indexer`` (:attr:`ServeSimConfig.indexer`) the lightning indexer picks
    them instead: each new token's indexer key is quantised into its FP8 key cache (same pages as
    the attention cache), :func:`~sparse_mla.indexer.fp8_paged_mqa_logits` scores every context
-   token, and :func:`~sparse_mla.indexer.topk_kvcache_indices` returns the top-k as cache slots;
+   token, and :func:`~sparse_mla.indexer.topk_kvcache_indices` returns the top-k as cache slots
+   (``sorted=False``: the decode attends a set);
 4. :func:`sparse_mla.flash_mla_with_kvcache` runs the sparse decode (s_q = 1).
 
 On CUDA, steps 1-4 are captured once in a ``torch.cuda.CUDAGraph`` after one eager warm-up step
@@ -347,7 +348,10 @@ class ServeSim:
             self.logits_meta,
             self.cfg.max_context,
         )
-        idx = topk_kvcache_indices(self.logits, self.topk, self.block_table, self.pbs, 1, row_ends=self.ctx)
+        # the decode attends a set: no order needed (the top-k leaves its final sort out)
+        idx = topk_kvcache_indices(
+            self.logits, self.topk, self.block_table, self.pbs, 1, row_ends=self.ctx, sorted=False
+        )
         self.idx_buf.copy_(idx.view(B, 1, self.topk))
 
     # ---------------------------------------------------------------- the step
@@ -540,7 +544,8 @@ class ServeSim:
     def _check_indexer(self) -> dict:
         """The last step's indexer against its twins: the logits within 2^-11 of the dot's terms on
         FP8 tensor cores (1e-5 elsewhere) of :func:`~sparse_mla.indexer.reference.fp8_paged_mqa_logits_reference`,
-        and the slots equal to the twin's top-k of the same logits through the block table."""
+        and the slots the same set (row by row, ``-1`` in the same places) as the twin's top-k of the same
+        logits through the block table."""
         from ..indexer.kernels import fp8_dot_supported
         from ..indexer.reference import fp8_paged_mqa_logits_reference, topk_indices_reference
         from ..serving.reference import abs_indices_to_kvcache_indices
@@ -555,7 +560,11 @@ class ServeSim:
         logits_ok, max_err, _ = indexer_logits_closeness(self.logits, want, mag, tc)
         pos = topk_indices_reference(self.logits.cpu(), self.topk, None, self.ctx.cpu())
         slots = abs_indices_to_kvcache_indices(pos.view(self.B, 1, self.topk), self.block_table.cpu(), self.pbs)
-        topk_ok = bool(torch.equal(slots.view(self.B, self.topk), self.idx_buf.view(self.B, self.topk).cpu()))
+        got = self.idx_buf.view(self.B, self.topk).cpu()
+        want = slots.view(self.B, self.topk)
+        topk_ok = bool(
+            torch.equal(got == -1, want == -1) and torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+        )
         return dict(
             indexer_logits_ok=logits_ok,
             indexer_logits_max_abs_err=max_err,
