@@ -79,3 +79,10 @@ def test_hopper_config_rejects_bad_register_counts():
         HopperConfig(pv_regs=0)
     with pytest.raises(ValueError, match="HopperConfig.producer_regs: expected a positive int"):
         HopperConfig(producer_regs=True)
+    with pytest.raises(ValueError, match=r"HopperConfig.pv_regs: expected a multiple of 8 in \[24, 256\]"):
+        HopperConfig(pv_regs=150)
+    with pytest.raises(ValueError, match="HopperConfig.producer_regs: expected a multiple of 8"):
+        HopperConfig(producer_regs=264)
+    with pytest.raises(ValueError, match="warpgroup 0 would get"):
+        HopperConfig(pv_regs=256, producer_regs=256)
+    assert HopperConfig(pv_regs=152, producer_regs=136).pv_regs == 152  # 216 left: fine

@@ -129,7 +129,9 @@ class HopperConfig:
         producer_warps: warps of the producer partition (8 does not fit: ptxas needs >= 154
             registers per thread at 16 warps).
         producer_regs: registers per producer thread (``setmaxnreg``).
-        maxnreg: register cap of the kernel (the consumer gets what the producer leaves).
+        maxnreg: register cap of the kernel's 12 warps; with 64-head tiles warpgroup 0
+            (:func:`_consumer_qk`) gets what the other two leave, ``3 · maxnreg − producer_regs −
+            pv_regs`` (216 at the defaults).
         profile: a ``PROFILE_*`` mode (profiling tools only).
         narrow_producer_warps: warps of each of the two producer partitions beside the
             one-warpgroup consumer of 16- or 32-head tiles (:func:`_consumer_narrow`), where the
@@ -149,6 +151,18 @@ class HopperConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"HopperConfig.{name}: expected a positive int, got {v!r}")
+        for name in ("producer_regs", "pv_regs"):  # setmaxnreg takes multiples of 8 in [24, 256]
+            v = getattr(self, name)
+            if v % 8 or not 24 <= v <= 256:
+                raise ValueError(f"HopperConfig.{name}: expected a multiple of 8 in [24, 256], got {v}")
+        if self.maxnreg > 255:
+            raise ValueError(f"HopperConfig.maxnreg: expected at most 255, got {self.maxnreg}")
+        left = 3 * (self.maxnreg // 8 * 8) - self.producer_regs - self.pv_regs
+        if not 24 <= left <= 256:
+            raise ValueError(
+                "HopperConfig: warpgroup 0 would get 3 * maxnreg - producer_regs - pv_regs = "
+                f"{left} registers, expected 24 to 256"
+            )
         if self.profile not in (PROFILE_OFF, PROFILE_PRODUCER_ONLY, PROFILE_CONSUMER_ONLY, PROFILE_CACHED_TOKEN):
             raise ValueError(f"HopperConfig.profile: expected one of the PROFILE_* modes 0-3, got {self.profile!r}")
 
