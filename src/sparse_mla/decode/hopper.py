@@ -481,8 +481,15 @@ def _producer(
         async_copy.wait_group(0)
 
 
-# --------------------------------------------------------------------------------------------- consumer
-# ------------------------------------------------------------------------ consumer split by role (FlashMLA-like)
+@gluon.jit
+def _tile_ptrs(t, row, sq, heads2, cols2):
+    """Pointers of an output tile: ``t = (ptr, row stride, s_q stride, head stride)`` (``out`` or the
+    split partials ``o_acc``), row ``row`` (int64), query ``sq``, broadcastable ``heads2`` / ``cols2``."""
+    ptr, stride_r, stride_s, stride_h = t
+    return ptr + row * stride_r + sq * stride_s + heads2 * stride_h + cols2
+
+
+# ---------------------------------------------------------------------- consumers split by role (FlashMLA-like)
 @gluon.jit
 def _consumer_qk(
     q,
@@ -515,9 +522,7 @@ def _consumer_qk(
     warpgroup writes ``out[:, :256]``, lse and max_logits (or the split partials' left half and LSE)."""
     q_ptr, stride_qb, stride_qs, stride_qh = q
     _meta_ptr, nsplit_ptr, _mainblk_ptr, _nblk_ptr = sched
-    out_ptr, stride_ob, stride_os, stride_oh = out
     lse_ptr, stride_lb, stride_lh, stride_ls = lse
-    oacc_ptr, stride_ar, stride_as, stride_ah = o_acc
     lacc_ptr, stride_lr, stride_lsq = lse_acc
     ml_ptr, stride_mlb, stride_mlh = max_logits
     k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
@@ -623,13 +628,7 @@ def _consumer_qk(
         hs += 1
         o = acc * gl.expand_dims(gl.convert_layout(scale_row, OROW), 1)
         if n_splits <= 1:
-            optr = (
-                out_ptr
-                + req.to(gl.int64) * stride_ob
-                + sq * stride_os
-                + gl.expand_dims(heads_o * stride_oh, 1)
-                + gl.expand_dims(cols_o, 0)
-            )
+            optr = _tile_ptrs(out, req.to(gl.int64), sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
             gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
             lse_v = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
             gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse_v, mask=hmask_s)
@@ -642,13 +641,7 @@ def _consumer_qk(
                 )
         else:
             row = (split_base + split).to(gl.int64)
-            aptr = (
-                oacc_ptr
-                + row * stride_ar
-                + sq * stride_as
-                + gl.expand_dims(heads_o * stride_ah, 1)
-                + gl.expand_dims(cols_o, 0)
-            )
+            aptr = _tile_ptrs(o_acc, row, sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
             gl.store(aptr, o, mask=hmask_o)
             gl.store(lacc_ptr + row * stride_lr + sq * stride_lsq + heads_s, lse2, mask=hmask_s)
         req += 1
@@ -671,8 +664,6 @@ def _consumer_pv(
     row factors warpgroup 0 (:func:`_consumer_qk`) leaves in smem, and ``out[:, 256:]`` (or the
     split partials' right half) at the end of each request piece."""
     _meta_ptr, nsplit_ptr, _mainblk_ptr, _nblk_ptr = sched
-    out_ptr, stride_ob, stride_os, stride_oh = out
-    oacc_ptr, stride_ar, stride_as, stride_ah = o_acc
     k_smem = ring[0]
     empty_bars = ring[4]
     row_smem, p_full, p_empty = hand
@@ -718,23 +709,11 @@ def _consumer_pv(
         hs += 1
         o = acc * gl.expand_dims(scale_row, 1)
         if n_splits <= 1:
-            optr = (
-                out_ptr
-                + req.to(gl.int64) * stride_ob
-                + sq * stride_os
-                + gl.expand_dims(heads_o * stride_oh, 1)
-                + gl.expand_dims(cols_o, 0)
-            )
+            optr = _tile_ptrs(out, req.to(gl.int64), sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
             gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
         else:
             row = (split_base + split).to(gl.int64)
-            aptr = (
-                oacc_ptr
-                + row * stride_ar
-                + sq * stride_as
-                + gl.expand_dims(heads_o * stride_ah, 1)
-                + gl.expand_dims(cols_o, 0)
-            )
+            aptr = _tile_ptrs(o_acc, row, sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
             gl.store(aptr, o, mask=hmask_o)
         req += 1
 
@@ -767,9 +746,7 @@ def _consumer_narrow(
     is a padded head; the softmax reduces along the tokens (axis 0)."""
     q_ptr, stride_qb, stride_qs, stride_qh = q
     _meta_ptr, nsplit_ptr, _mainblk_ptr, _nblk_ptr = sched
-    out_ptr, stride_ob, stride_os, stride_oh = out
     lse_ptr, stride_lb, stride_lh, stride_ls = lse
-    oacc_ptr, stride_ar, stride_as, stride_ah = o_acc
     lacc_ptr, stride_lr, stride_lsq = lse_acc
     ml_ptr, stride_mlb, stride_mlh = max_logits
     k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
@@ -858,13 +835,7 @@ def _consumer_narrow(
                 denom += gl.exp2(sink_log2 - m_safe2)
             scale_col = gl.where(lonely, 0.0, 1.0 / denom)
             o = acc * gl.expand_dims(scale_col, 0)
-            optr = (
-                out_ptr
-                + req.to(gl.int64) * stride_ob
-                + sq * stride_os
-                + gl.expand_dims(heads * stride_oh, 0)
-                + gl.expand_dims(cols_o, 1)
-            )
+            optr = _tile_ptrs(out, req.to(gl.int64), sq, gl.expand_dims(heads, 0), gl.expand_dims(cols_o, 1))
             gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
             lse_v = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
             gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads * stride_lh + sq * stride_ls, lse_v, mask=hmask)
@@ -877,13 +848,7 @@ def _consumer_narrow(
         else:
             row = (split_base + split).to(gl.int64)
             o = acc * gl.expand_dims(1.0 / l_safe, 0)
-            aptr = (
-                oacc_ptr
-                + row * stride_ar
-                + sq * stride_as
-                + gl.expand_dims(heads * stride_ah, 0)
-                + gl.expand_dims(cols_o, 1)
-            )
+            aptr = _tile_ptrs(o_acc, row, sq, gl.expand_dims(heads, 0), gl.expand_dims(cols_o, 1))
             gl.store(aptr, o, mask=hmask_o)
             gl.store(lacc_ptr + row * stride_lr + sq * stride_lsq + heads, lse2, mask=hmask)
         req += 1
