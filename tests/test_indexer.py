@@ -20,7 +20,7 @@ from sparse_mla.indexer.reference import (
 )
 from sparse_mla.reference import sparse_decode_reference
 from sparse_mla.serving.reference import abs_indices_to_kvcache_indices
-from sparse_mla.testing import abs_e4m3, abs_index_cache, indexer_logits_closeness
+from sparse_mla.testing import abs_e4m3, abs_index_cache, indexer_logits_closeness, same_index_sets
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -421,12 +421,6 @@ def test_topk_kernel_configs_match_twin(n, k, cfg):
     assert torch.equal(out.cpu(), topk_indices_reference(x.cpu(), k, lo.cpu(), hi.cpu()))
 
 
-def _same_sets(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Row by row the same entries (in any order) and ``-1`` in the same columns."""
-    got, want = got.cpu(), want.cpu()
-    return torch.equal(got == -1, want == -1) and torch.equal(got.sort(dim=-1).values, want.sort(dim=-1).values)
-
-
 @pytest.mark.parametrize(
     "n, k, cfg",
     [
@@ -448,7 +442,7 @@ def test_topk_unsorted_is_the_same_set(n, k, cfg):
     out = torch.empty(x.shape[0], k, dtype=torch.int32, device=DEVICE)
     launch_topk(x, lo, hi, out, k, k, config=cfg, ordered=False)
     want = topk_indices_reference(x.cpu(), k, lo.cpu(), hi.cpu())
-    assert _same_sets(out, want)
+    assert same_index_sets(out, want)
     assert not torch.equal(out.cpu(), want)  # the order is not the rank order (the sort really is left out)
 
 
@@ -458,11 +452,11 @@ def test_topk_sorted_argument():
     logits = torch.randn(b * next_n, n, generator=g).to(DEVICE)
     ends = torch.tensor([300, 20, 150, 299], device=DEVICE)
     want = flash_mla.topk_indices(logits, k, row_ends=ends)
-    assert _same_sets(flash_mla.topk_indices(logits, k, row_ends=ends, sorted=False), want)
+    assert same_index_sets(flash_mla.topk_indices(logits, k, row_ends=ends, sorted=False), want)
     table = torch.randperm(64, generator=g).view(b, 32).int().to(DEVICE)
     want_slots = flash_mla.topk_kvcache_indices(logits, k, table, pbs, next_n, row_ends=ends)
     got_slots = flash_mla.topk_kvcache_indices(logits, k, table, pbs, next_n, row_ends=ends, sorted=False)
-    assert got_slots.shape == want_slots.shape and _same_sets(got_slots, want_slots)
+    assert got_slots.shape == want_slots.shape and same_index_sets(got_slots, want_slots)
     for bad in (1, None, "no"):
         with pytest.raises(TypeError, match="sorted: expected a bool"):
             flash_mla.topk_indices(logits, k, sorted=bad)
@@ -694,7 +688,7 @@ def test_operators_opcheck_and_compile():
     res = torch.library.opcheck(torch.ops.sparse_mla.topk_indices.default, (logits, 5, None, None, False))
     assert all(v == "SUCCESS" for v in res.values()), res
     unsorted = torch.compile(lambda x: flash_mla.topk_indices(x, 5, sorted=False), fullgraph=True, backend="aot_eager")
-    assert _same_sets(unsorted(logits), flash_mla.topk_indices(logits, 5))
+    assert same_index_sets(unsorted(logits), flash_mla.topk_indices(logits, 5))
 
     # the Python functions themselves compile to the operators
     def api_step(k, cache, slots, q, w, ctx, table, meta):

@@ -25,6 +25,7 @@ __all__ = [
     "abs_e4m3",
     "abs_index_cache",
     "indexer_logits_closeness",
+    "same_index_sets",
 ]
 
 
@@ -222,3 +223,10 @@ def indexer_logits_closeness(
     worst = float(excess.max()) if excess.numel() else 0.0
     same_fin = bool(torch.equal(fin, torch.isfinite(got)))
     return same_fin and worst <= 0, float(err.max()) if err.numel() else 0.0, worst
+
+
+def same_index_sets(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Top-k results (positions or cache slots, ``[..., k]``) that agree as sets: along the last
+    dimension the same entries in any order (``sorted=False``), and ``-1`` in the same places."""
+    got, want = got.cpu(), want.cpu()
+    return torch.equal(got == -1, want == -1) and torch.equal(got.sort(dim=-1).values, want.sort(dim=-1).values)

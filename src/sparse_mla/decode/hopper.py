@@ -514,10 +514,10 @@ def _consumer_qk(
     HAS_MAX_LOGITS: gl.constexpr,
     PROFILE: gl.constexpr,
 ):
-    """64-head tiles, consumers split by role, warpgroup 0 (the
-    default partition): the whole ``S = Q Kᵀ [64, 64]`` (one warpgroup, N = 64: Q is read from smem
-    once per block), the online softmax inside the warpgroup (no cross-warpgroup max/sum), P and the
-    row factors handed to warpgroup 1 (:func:`_consumer_pv`) through smem, and ``O[:, :256] += P V``.
+    """64-head tiles, consumers split by role, warpgroup 0 (the default partition): the whole
+    ``S = Q Kᵀ [64, 64]`` (one warpgroup, N = 64: Q is read from smem once per block), the online
+    softmax inside the warpgroup (no cross-warpgroup max/sum), P and the row factors handed to
+    warpgroup 1 (:func:`_consumer_pv`) through smem, and ``O[:, :256] += P V``.
     At the end of a request piece the row factor of the epilogue goes the same way, and this
     warpgroup writes ``out[:, :256]``, lse and max_logits (or the split partials' left half and LSE)."""
     q_ptr, stride_qb, stride_qs, stride_qh = q

@@ -10,8 +10,7 @@ k-th best 32-bit key by a radix select: two 8-bit histogram levels over row segm
 bits, a split pass writes the entries above that bucket and gathers the bucket's entries into a
 candidate list, and one program per row finishes the select on that list (on the row when the
 bucket is larger than the list's capacity), sorts the k rank keys (unless ``sorted=False``) and
-writes the positions, or,
-for :func:`topk_kvcache_indices`, the cache slots they map to; elsewhere one
+writes the positions, or, for :func:`topk_kvcache_indices`, the cache slots they map to; elsewhere one
 ``torch.topk`` over all the rank keys (:func:`rank_keys`). No host synchronisation (CUDA-graph
 safe). Twin: :func:`sparse_mla.indexer.reference.topk_indices_reference`.
 """

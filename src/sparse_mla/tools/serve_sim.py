@@ -549,7 +549,7 @@ class ServeSim:
         from ..indexer.kernels import fp8_dot_supported
         from ..indexer.reference import fp8_paged_mqa_logits_reference, topk_indices_reference
         from ..serving.reference import abs_indices_to_kvcache_indices
-        from ..testing import abs_e4m3, abs_index_cache, indexer_logits_closeness
+        from ..testing import abs_e4m3, abs_index_cache, indexer_logits_closeness, same_index_sets
 
         args = (self.ctx, self.block_table, self.cfg.max_context)
         want = fp8_paged_mqa_logits_reference(self.iq_buf, self.index_cache, self.w_buf, *args)
@@ -560,11 +560,7 @@ class ServeSim:
         logits_ok, max_err, _ = indexer_logits_closeness(self.logits, want, mag, tc)
         pos = topk_indices_reference(self.logits.cpu(), self.topk, None, self.ctx.cpu())
         slots = abs_indices_to_kvcache_indices(pos.view(self.B, 1, self.topk), self.block_table.cpu(), self.pbs)
-        got = self.idx_buf.view(self.B, self.topk).cpu()
-        want = slots.view(self.B, self.topk)
-        topk_ok = bool(
-            torch.equal(got == -1, want == -1) and torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
-        )
+        topk_ok = same_index_sets(self.idx_buf.view(self.B, self.topk), slots.view(self.B, self.topk))
         return dict(
             indexer_logits_ok=logits_ok,
             indexer_logits_max_abs_err=max_err,
