@@ -48,9 +48,18 @@ def bench_paged(quick: bool, copy_gbs: float) -> dict:
     meta = flash_mla.get_paged_mqa_logits_metadata(ctx, blk, torch.cuda.get_device_properties(0).multi_processor_count)
     us = harness.median_us(lambda: flash_mla.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, ctx_len), quick)
     gbs = b * ctx_len * (d + 4) / (us * 1e-6) / 1e9
-    return dict(
-        kind="paged_logits", b=b, next_n=next_n, h=h, d=d, ctx=ctx_len, us=us, gbs=gbs, pct_copy=100 * gbs / copy_gbs
+    # the pointer path (gathers through cp.async; what other GPUs run) on the same call, for scale
+    from sparse_mla.indexer import kernels as K
+
+    out = torch.empty(b * next_n, ctx_len, device="cuda")
+    qb = q.view(torch.uint8)
+    us_ptr = harness.median_us(
+        lambda: K.launch_paged_mqa_logits(qb, cache, w, ctx, table, out, ctx_len, config=dict(tma=False)), quick
     )
+    return dict(
+        kind="paged_logits", b=b, next_n=next_n, h=h, d=d, ctx=ctx_len, us=us, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
+        us_pointer_path=us_ptr,
+    )  # fmt: skip
 
 
 def bench_prefill(quick: bool, peak: float) -> dict:
@@ -82,6 +91,8 @@ def bench_topk(quick: bool, copy_gbs: float) -> dict:
     us_unsorted = harness.median_us(lambda: flash_mla.topk_indices(x, k, sorted=False), quick)
     us_torch_unsorted = harness.median_us(lambda: torch.topk(x, k, dim=1, sorted=False), quick)
     us_kv_unsorted = harness.median_us(lambda: flash_mla.topk_kvcache_indices(x, k, table, 64, 2, sorted=False), quick)
+    us_unsorted_graph = harness.graph_replay_us(lambda i: lambda: flash_mla.topk_indices(x, k, sorted=False), 1, quick)
+    us_torch_unsorted_graph = harness.graph_replay_us(lambda i: lambda: torch.topk(x, k, dim=1, sorted=False), 1, quick)
     read_us = rows * n * 4 / (copy_gbs * 1e9) * 1e6
     return dict(
         kind="topk",
@@ -96,6 +107,8 @@ def bench_topk(quick: bool, copy_gbs: float) -> dict:
         us_unsorted=us_unsorted,
         us_torch_topk_unsorted=us_torch_unsorted,
         us_kvcache_indices_unsorted=us_kv_unsorted,
+        us_unsorted_graph=us_unsorted_graph,
+        us_torch_topk_unsorted_graph=us_torch_unsorted_graph,
         read_us=read_us,
         x_read=us / read_us,
         x_torch=us / us_torch,

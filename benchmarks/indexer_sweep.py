@@ -43,7 +43,9 @@ def _run(label: str, fn, check, quick: bool, rows: list, **info) -> None:
     print(f"{label:70s} {us:9.1f} us  max|diff| {err:.3g}", flush=True)
 
 
-def sweep_paged(quick: bool, rows: list) -> None:
+def sweep_paged(quick: bool, rows: list, pointer_grid: bool = True) -> None:
+    """The pointer path's launch grid (``pointer_grid``), then the tensor-memory path's (sm_90+),
+    each config checked against the pointer path's default."""
     b, next_n, h, d, blk, ctx_len = 128, 2, 64, 128, 64, 32768
     nblk = ctx_len // blk
     cache = torch.randint(0, 255, (b * nblk, blk, 1, d + 4), dtype=torch.uint8, device="cuda")
@@ -54,11 +56,20 @@ def sweep_paged(quick: bool, rows: list) -> None:
     w = torch.rand(b * next_n, h, device="cuda")
     ctx = torch.full((b,), ctx_len, dtype=torch.int32, device="cuda")
     ref = torch.empty(b * next_n, ctx_len, device="cuda")
-    K.launch_paged_mqa_logits(q, cache, w, ctx, table, ref, ctx_len)
+    K.launch_paged_mqa_logits(q, cache, w, ctx, table, ref, ctx_len, config=dict(tma=False))
     out = torch.empty_like(ref)
-    grid = itertools.product((64, 128), (4, 8), (2, 3, 4, 5), (4, 8, 16, 32))
-    for block_n, warps, stages, pps in grid:
-        cfg = dict(block_n=block_n, num_warps=warps, num_stages=stages, progs_per_sm=pps)
+    configs = []
+    if pointer_grid:
+        configs += [
+            dict(tma=False, block_n=block_n, num_warps=warps, num_stages=stages, progs_per_sm=pps)
+            for block_n, warps, stages, pps in itertools.product((64, 128), (4, 8), (2, 3, 4, 5), (4, 8, 16, 32))
+        ]
+    if K.tma_supported(cache.device):
+        configs += [
+            dict(tma=True, tma_stages=stages, tma_maxnreg=reg, tma_progs_per_sm=pps, num_warps=warps)
+            for stages, reg, pps, warps in itertools.product((6, 8), (None, 128, 168), (6, 8, 12), (4,))
+        ]
+    for cfg in configs:
         _run(
             f"paged {cfg}",
             lambda cfg=cfg: K.launch_paged_mqa_logits(q, cache, w, ctx, table, out, ctx_len, config=cfg),
@@ -148,7 +159,9 @@ def sweep_topk(quick: bool, rows: list) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=("paged", "prefill", "topk"))
+    ap.add_argument(
+        "--only", choices=("paged", "paged_tma", "prefill", "topk"), help="paged_tma: the tensor-memory grid only"
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -157,9 +170,9 @@ def main(argv=None) -> int:
     print(f"# defaults: paged {K.PAGED_CONFIG}, prefill {K.PREFILL_CONFIG}, topk {K.TOPK_CONFIG}")
     rows: list = []
     copy_gbs = harness.copy_ceiling_gbs()
-    if args.only in (None, "paged"):
+    if args.only in (None, "paged", "paged_tma"):
         print(bench_paged(args.quick, copy_gbs))
-        sweep_paged(args.quick, rows)
+        sweep_paged(args.quick, rows, pointer_grid=args.only != "paged_tma")
     if args.only in (None, "prefill"):
         print(bench_prefill(args.quick, 1.0))
         sweep_prefill(args.quick, rows)

@@ -333,6 +333,52 @@ def test_logits_kernels_both_dot_paths(fp8_dot):
     close_to(outp[fin].view(1, -1), wantp[fin].view(1, -1), mag[fin].view(1, -1), d=d)
 
 
+@needs_kernels
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("next_n, h, block_size, block_n", [(2, 8, 64, 64), (3, 5, 128, 64), (1, 16, 32, 32)])
+def test_paged_logits_tensor_memory_path(tma, next_n, h, block_size, block_n):
+    # the Hopper path that brings each tile's keys and scales with tensor-memory copies (forced on
+    # here, so the interpreter runs it too) against the twin and the pointer path: a pool view
+    # (block stride past the block's bytes), block ids < 0 and >= num_blocks inside the context, a
+    # table shorter than the context, contexts ending inside a tile, NaN bytes and scales in every
+    # slot no query attends
+    from sparse_mla.indexer.kernels import launch_paged_mqa_logits, tma_supported
+
+    if tma and ON_GPU and not tma_supported(torch.device(DEVICE)):
+        pytest.skip("no tensor-memory accelerator on this GPU")
+    d, b, nb = 32, 4, 12
+    last = d + 4
+    stride_blk = block_size * last + 16
+    pool = torch.full((nb * stride_blk,), 0x7F, dtype=torch.uint8, device=DEVICE)  # NaN bytes, NaN scales
+    cache = pool.as_strided((nb, block_size, 1, last), (stride_blk, last, last, 1))
+    g = torch.Generator().manual_seed(block_size + next_n)
+    keys = (torch.randn(nb * block_size, d, generator=g) * 4).to(DEVICE)
+    used = torch.tensor([0, 2, 3, 5, 6, 7, 9, 10])
+    for blk in used.tolist():  # the blocks the table names hold real keys (others stay NaN)
+        sl = torch.arange(blk * block_size, (blk + 1) * block_size, device=DEVICE)
+        flash_mla.indexer_k_quant_and_cache(keys[sl].to(torch.bfloat16), cache, sl, "ue8m0")
+    if not ON_GPU:  # Triton 3.6's interpreter reads e4m3 NaN bytes as +-480 inside FP8 dots
+        assert not bool(((cache.view(nb, -1)[used, : block_size * d] & 0x7F) == 0x7F).any())
+    q = random_q((b, next_n, h, d), seed=h)
+    w = torch.randn(b * next_n, h, device=DEVICE)
+    ctx = torch.tensor([block_size + 5, 2 * block_size + block_n // 2, 3 * block_size, 7], dtype=torch.int32)
+    table = torch.tensor([[0, 2, 3], [5, -1, 6], [7, nb + 3, 9], [10, 4, 4]], dtype=torch.int32)[:, :3]
+    table = table.to(DEVICE)
+    ctx = ctx.to(DEVICE)
+    ctx[2] = 4 * block_size  # past the table's 3 pages: the last page's keys are -inf
+    max_len = 4 * block_size + 9
+    out = torch.empty(b * next_n, max_len, device=DEVICE)
+    cfg = dict(fp8_dot=True, tma=tma, block_n=block_n)
+    launch_paged_mqa_logits(q.view(torch.uint8), cache, w, ctx, table, out, max_len, num_sms=1, config=cfg)
+    want = fp8_paged_mqa_logits_reference(q, cache, w, ctx, table, max_len)
+    assert not torch.isnan(out).any() and torch.equal(torch.isinf(out), torch.isinf(want))
+    fin = torch.isfinite(want)
+    mag = fp8_paged_mqa_logits_reference(abs_e4m3(q), abs_index_cache(cache), w.abs(), ctx, table, max_len)
+    close_to(out[fin].view(1, -1), want[fin].view(1, -1), mag[fin].view(1, -1), d=d)
+    assert torch.isneginf(out[next_n : 2 * next_n, block_size : 2 * block_size]).all()  # block id -1
+    assert torch.isneginf(out[2 * next_n : 3 * next_n, block_size : 2 * block_size]).all()  # block id >= nb
+
+
 # ------------------------------------------------------------------------------ top-k
 
 
