@@ -335,8 +335,11 @@ def test_logits_kernels_both_dot_paths(fp8_dot):
 
 @needs_kernels
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("next_n, h, block_size, block_n", [(2, 8, 64, 64), (3, 5, 128, 64), (1, 16, 32, 32)])
-def test_paged_logits_tensor_memory_path(tma, next_n, h, block_size, block_n):
+@pytest.mark.parametrize(
+    "next_n, h, d, block_size, block_n",
+    [(2, 8, 32, 64, 64), (3, 5, 64, 128, 64), (1, 16, 256, 32, 32), (2, 64, 128, 64, 64)],
+)
+def test_paged_logits_tensor_memory_path(tma, next_n, h, d, block_size, block_n):
     # the Hopper path that brings each tile's keys and scales with tensor-memory copies (forced on
     # here, so the interpreter runs it too) against the twin and the pointer path: a pool view
     # (block stride past the block's bytes), block ids < 0 and >= num_blocks inside the context, a
@@ -346,7 +349,7 @@ def test_paged_logits_tensor_memory_path(tma, next_n, h, block_size, block_n):
 
     if tma and ON_GPU and not tma_supported(torch.device(DEVICE)):
         pytest.skip("no tensor-memory accelerator on this GPU")
-    d, b, nb = 32, 4, 12
+    b, nb = 4, 12
     last = d + 4
     stride_blk = block_size * last + 16
     pool = torch.full((nb * stride_blk,), 0x7F, dtype=torch.uint8, device=DEVICE)  # NaN bytes, NaN scales
