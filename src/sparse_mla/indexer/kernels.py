@@ -212,17 +212,17 @@ def _paged_tile(
 
 
 @triton.jit
-def _paged_mqa_logits_kernel(
-    q_ptr, stride_qb, stride_qn, stride_qh, cache_ptr, stride_blk, bs, nb, w_ptr, stride_wr, stride_wh,
-    ctx_ptr, bt_ptr, stride_btb, max_blocks, out_ptr, stride_or, max_ctx, next_n, H, tiles_per_prog,
+def _paged_program(
+    q_ptr, stride_qb, stride_qn, stride_qh, w_ptr, stride_wr, stride_wh, ctx_ptr, bt_ptr, stride_btb, out_ptr,
+    stride_or, max_ctx, next_n, H, tiles_per_prog,
     D: tl.constexpr, P: tl.constexpr, H_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr, HEAD_PAD: tl.constexpr,
+    FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(b, chunks, ceil(next_n / P))``: request ``pid0``'s query positions ``[pid2 * P, ...)``
-    (``P * H_P2`` dot rows, loaded once) against its key tiles ``[pid1 * tiles_per_prog, ...)``,
-    BLOCK_N keys a step (each key read once per request when ``P >= next_n``), the next tiles'
-    gathers in flight (``NUM_STAGES``); tiles past the context only filled with -inf."""
+    """What a paged-logits program of grid ``(b, chunks, ceil(next_n / P))`` works on: request
+    ``pid0``'s context length, its query positions ``pp`` (``[pid2 * P, ...)``), the ``P * H_P2``
+    query rows (``qm1`` live) as the dot's ``Qᵀ``, their weights, output rows and row mask, the
+    block-table row, and the key tiles ``[t_lo, t_mid)`` inside the context and ``[t_mid, t_hi)``
+    past it (-inf only)."""
     i = tl.program_id(0)
     ctx = tl.load(ctx_ptr + i)
     pp = tl.program_id(2) * P + tl.arange(0, P)
@@ -247,6 +247,25 @@ def _paged_mqa_logits_kernel(
     # counter 32-bit (an int64 bound cost 28 registers and made every tile index int64)
     ctx_tiles = ctx // BLOCK_N + (ctx % BLOCK_N != 0).to(tl.int32)
     t_mid = tl.maximum(tl.minimum(t_hi, ctx_tiles), t_lo)
+    return ctx, pp, qm1, q_t, w, out_rows, row_mask, bt_row, t_lo, t_mid, t_hi
+
+
+@triton.jit
+def _paged_mqa_logits_kernel(
+    q_ptr, stride_qb, stride_qn, stride_qh, cache_ptr, stride_blk, bs, nb, w_ptr, stride_wr, stride_wh,
+    ctx_ptr, bt_ptr, stride_btb, max_blocks, out_ptr, stride_or, max_ctx, next_n, H, tiles_per_prog,
+    D: tl.constexpr, P: tl.constexpr, H_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    FOR_LOOP: tl.constexpr, NUM_STAGES: tl.constexpr, HEAD_PAD: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(b, chunks, ceil(next_n / P))``: request ``pid0``'s query positions ``[pid2 * P, ...)``
+    (``P * H_P2`` dot rows, loaded once) against its key tiles ``[pid1 * tiles_per_prog, ...)``,
+    BLOCK_N keys a step (each key read once per request when ``P >= next_n``), the next tiles'
+    gathers in flight (``NUM_STAGES``); tiles past the context only filled with -inf."""
+    ctx, pp, qm1, q_t, w, out_rows, row_mask, bt_row, t_lo, t_mid, t_hi = _paged_program(
+        q_ptr, stride_qb, stride_qn, stride_qh, w_ptr, stride_wr, stride_wh, ctx_ptr, bt_ptr, stride_btb, out_ptr,
+        stride_or, max_ctx, next_n, H, tiles_per_prog, D, P, H_P2, BLOCK_N, FP8_DOT, DOT_DTYPE,
+    )  # fmt: skip
     if FOR_LOOP:
         for t in tl.range(t_lo, t_mid, num_stages=NUM_STAGES):
             _paged_tile(t, ctx, q_t, w, qm1, pp, bt_row, max_blocks, cache_ptr, stride_blk, bs, nb, out_rows, row_mask,
@@ -297,26 +316,10 @@ def _paged_tma_logits_kernel(
 ):  # fmt: skip
     """``_paged_mqa_logits_kernel`` on Hopper with e4m3 dots and keys brought by tensor-memory
     copies (``_paged_tma_tile``): no address registers, the copies in flight ``NUM_STAGES`` deep."""
-    i = tl.program_id(0)
-    ctx = tl.load(ctx_ptr + i)
-    pp = tl.program_id(2) * P + tl.arange(0, P)
-    hh = tl.arange(0, H_P2)
-    dd = tl.arange(0, D)
-    qm = (pp[:, None] < next_n) & (hh[None, :] < H)
-    qoff = tl.reshape(pp[:, None] * stride_qn + hh[None, :] * stride_qh, [P * H_P2])
-    qm1 = tl.reshape(qm, [P * H_P2])
-    qptr = (q_ptr + i.to(tl.int64) * stride_qb + qoff[:, None] + dd[None, :]).to(tl.pointer_type(tl.float8e4nv))
-    q_t = tl.trans(tl.load(qptr, mask=qm1[:, None], other=0.0))
-    orow = (i * next_n + pp).to(tl.int64)
-    w = tl.reshape(tl.load(w_ptr + orow[:, None] * stride_wr + hh[None, :] * stride_wh, mask=qm, other=0.0), [P * H_P2])
-    out_rows = out_ptr + orow * stride_or
-    row_mask = pp < next_n
-    bt_row = bt_ptr + i.to(tl.int64) * stride_btb
-    n_tiles = tl.cdiv(max_ctx, BLOCK_N)
-    t_lo = tl.program_id(1) * tiles_per_prog
-    t_hi = tl.minimum(t_lo + tiles_per_prog, n_tiles)
-    ctx_tiles = ctx // BLOCK_N + (ctx % BLOCK_N != 0).to(tl.int32)
-    t_mid = tl.maximum(tl.minimum(t_hi, ctx_tiles), t_lo)
+    ctx, pp, qm1, q_t, w, out_rows, row_mask, bt_row, t_lo, t_mid, t_hi = _paged_program(
+        q_ptr, stride_qb, stride_qn, stride_qh, w_ptr, stride_wr, stride_wh, ctx_ptr, bt_ptr, stride_btb, out_ptr,
+        stride_or, max_ctx, next_n, H, tiles_per_prog, D, P, H_P2, BLOCK_N, True, tl.float16,
+    )  # fmt: skip
     if FOR_LOOP:
         for t in tl.range(t_lo, t_mid, num_stages=NUM_STAGES):
             _paged_tma_tile(t, ctx, q_t, w, qm1, pp, bt_row, max_blocks, k_desc, s_desc, bs, nb, out_rows, row_mask,
@@ -449,8 +452,9 @@ def launch_paged_mqa_logits(
     """``q [b, next_n, H, D]`` uint8 (e4m3 bytes); ``out [b * next_n, max_context_len]`` fp32;
     ``num_sms`` sizes the grid (default: the device's)."""
     require_runnable(
-        _paged_mqa_logits_kernel, q.device, _e4m3_operand, e4m3_decode_exact, _head_sum, _paged_tile, _fill_tile
-    )
+        _paged_mqa_logits_kernel, q.device, _e4m3_operand, e4m3_decode_exact, _head_sum, _paged_tile, _fill_tile,
+        _paged_program, _paged_tma_tile, _paged_tma_logits_kernel,
+    )  # fmt: skip
     cfg = {**PAGED_CONFIG, **(config or {})}
     b, next_n, h, d = q.shape
     nb, bs, _, stride_blk = index_cache_geometry(kv_cache)
