@@ -21,6 +21,13 @@ Triton 3.8.0 for sm_90a:
   costs no extra registers (the row index does not change the data). Run on the H200 (session 9,
   Triton 3.8.0 carried, ``pair-run``): both CTAs held the whole row.
 
+* a global store of a replicated tensor is predicated on ``%cluster_ctarank == 0`` (the second
+  CTA's copy is redundant to the compiler, like a redundant thread's): under ``num_ctas=2`` every
+  tensor whose values differ between the CTAs (the pair's two head blocks: Q, S, P, O, lse) has to
+  be split over the CTAs in its layout (heads ``[128, ...]`` with ``cga_layout=[[1, 0]]``), and the
+  K ring replicated for the MMAs (``[64, 576]``, each CTA its copy) while the exchange stores into
+  a ``[2, 64, 576]`` row-per-CTA view of the same bytes (a reinterpreted descriptor; not tried).
+
 Not settled offline: the ring's ``empty`` side (a CTA may write into the peer's stage only after
 the peer's consumers released it; 3.8's ``mbarrier.arrive`` has no peer target, 3.9 adds
 ``from_cta``; a 4-byte ``st.async`` onto the peer's barrier would do), and what layouts without
