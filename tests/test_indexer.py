@@ -5,6 +5,8 @@ Triton's interpreter on the CPU."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -385,6 +387,22 @@ def test_paged_logits_tensor_memory_path(tma, next_n, h, d, block_size, block_n)
 # ------------------------------------------------------------------------------ top-k
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_topk_ranks_subnormal_logits_exactly(dtype):
+    # tiny logits (subnormal in the row's dtype, +-0, one below the smallest normal) rank exactly as
+    # the twin ranks them in fp32; Triton's interpreter converted bf16 subnormals to other values
+    tiny = torch.finfo(dtype).tiny
+    vals = [0.0, tiny / 64, tiny / 4, tiny / 2, tiny, -tiny / 64, -0.0, tiny * 0.75, -tiny]
+    x = torch.tensor([vals, vals[::-1]], dtype=dtype).to(DEVICE)
+    assert bool((x.float().abs() < tiny).logical_and(x != 0).any())  # the row holds subnormals
+    for srt in (True, False):
+        got = flash_mla.topk_indices(x, len(vals), sorted=srt)
+        want = topk_indices_reference(x.float(), len(vals))
+        assert torch.equal(got, want) if srt else same_index_sets(got, want)
+    top1 = flash_mla.topk_indices(torch.tensor([[0.0, tiny / 64]], dtype=dtype).to(DEVICE), 1)
+    assert top1.tolist() == [[1]]
+
+
 @pytest.mark.parametrize("k", [1, 5, 64, 300])
 def test_topk_matches_twin_and_tie_rule(k):
     g = torch.Generator().manual_seed(k)
@@ -693,6 +711,20 @@ def _bad_calls():
         (torch.zeros(2, 5), 2, None, torch.zeros(3, dtype=torch.int32)),
     )
     yield "block_size: expected a positive int", ValueError, flash_mla.get_paged_mqa_logits_metadata, (ctx, 0, 132)
+    # meta tensors (no data) are refused by name, not left to fail inside a kernel
+    m = "meta"
+    yield "kv_cache: expected a CPU or CUDA tensor", ValueError, store, (k.to(m), cache.to(m), slots.to(m))
+    yield "q: expected a CPU or CUDA tensor", ValueError, mqa, (q.to(m), (kv[0].to(m), kv[1].to(m)), w.to(m), r, r)
+    yield "q: expected a CPU or CUDA tensor", ValueError, paged, (qp.to(m), cache, torch.ones(4, 4), ctx, bt, meta, 32)
+    yield (
+        "context_lens: expected a CPU or CUDA tensor",
+        ValueError,
+        flash_mla.get_paged_mqa_logits_metadata,
+        (ctx.to(m), 16, 132),
+    )
+    # NumPy 2's bool calls itself "bool": the message names its module
+    unsorted_np = functools.partial(flash_mla.topk_indices, sorted=np.bool_(False))
+    yield "sorted: expected a bool, got numpy.bool", TypeError, unsorted_np, (torch.zeros(2, 5), 2)
 
 
 @pytest.mark.parametrize("match, exc, fn, args", list(_bad_calls()), ids=lambda v: v if isinstance(v, str) else "")

@@ -8,7 +8,7 @@ import torch
 
 from ..problem import check_tensor
 
-__all__ = ["HEAD_DIMS", "check_index_cache", "check_tensor_arg", "index_cache_geometry"]
+__all__ = ["HEAD_DIMS", "check_index_cache", "check_tensor_arg", "index_cache_geometry", "type_name"]
 
 #: head dims the indexer kernels take (powers of two; DeepSeek-V3.2 uses 128)
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -18,9 +18,20 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 INT32_MAX = 2**31 - 1
 
 
+def type_name(x: Any) -> str:
+    """``x``'s type for an error message, with its module where that is not the builtins (NumPy 2's
+    ``np.bool_`` calls itself ``bool``)."""
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
 def check_tensor_arg(x: Any, name: str, dtypes: tuple, dim: int, device: torch.device | None = None) -> torch.Tensor:
-    """:func:`sparse_mla.problem.check_tensor` for the indexer's calls (the device is the first tensor's)."""
-    return check_tensor(x, name, dtypes, dim, device, device_of="the first tensor argument")
+    """:func:`sparse_mla.problem.check_tensor` for the indexer's calls (the device is the first
+    tensor's; that one, ``device`` None, must be a CPU or CUDA tensor)."""
+    check_tensor(x, name, dtypes, dim, device, device_of="the first tensor argument")
+    if device is None and x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a CPU or CUDA tensor, got one on {x.device}")
+    return x
 
 
 def check_index_cache(kv_cache: Any, head_dim: int | None = None, name: str = "kv_cache") -> int:

@@ -523,7 +523,13 @@ def _key32(x):
 def _row_chunk(row_ptr, start, lo, hi, BLOCK: tl.constexpr):
     pos = start + tl.arange(0, BLOCK)
     valid = (pos >= lo) & (pos < hi)
-    x = tl.load(row_ptr + pos, mask=valid, other=0.0).to(tl.float32)
+    if row_ptr.dtype.element_ty == tl.bfloat16:
+        # bf16 -> fp32 as bits (exact; Triton's interpreter, 3.6-3.9, turns bf16 subnormals into
+        # other values when it converts them, which reorders the top-k of tiny logits)
+        bits = tl.load(row_ptr.to(tl.pointer_type(tl.int16)) + pos, mask=valid, other=0)
+        x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(row_ptr + pos, mask=valid, other=0.0).to(tl.float32)
     key = _key32(x)
     ukey = (key ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order
     return pos, valid, key, ukey

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..runtime import on_tensor_device, use_triton
-from .checks import HEAD_DIMS, INT32_MAX, check_index_cache, check_tensor_arg
+from .checks import HEAD_DIMS, INT32_MAX, check_index_cache, check_tensor_arg, type_name
 from .reference import fp8_mqa_logits_reference, fp8_paged_mqa_logits_reference
 
 __all__ = ["fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "MAX_HEADS"]
@@ -29,7 +29,7 @@ def _as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def _check_bool(x: Any, name: str) -> None:
     if not isinstance(x, bool):
-        raise TypeError(f"{name}: expected a bool (True or False), got {type(x).__name__}")
+        raise TypeError(f"{name}: expected a bool (True or False), got {type_name(x)}")
 
 
 def _check_q(q: Any, dim: int) -> tuple[int, int]:

@@ -25,7 +25,7 @@ import torch
 from ..runtime import on_tensor_device, use_triton
 from ..serving.checks import check_block_table
 from ..serving.reference import abs_indices_to_kvcache_indices
-from .checks import INT32_MAX, check_tensor_arg
+from .checks import INT32_MAX, check_tensor_arg, type_name
 
 __all__ = ["topk_indices", "topk_kvcache_indices", "rank_keys"]
 
@@ -136,7 +136,7 @@ def _topk(
 
 def _check_sorted(x: Any) -> None:
     if not isinstance(x, bool):
-        raise TypeError(f"sorted: expected a bool, got {type(x).__name__}")
+        raise TypeError(f"sorted: expected a bool, got {type_name(x)}")
 
 
 def _check_k(k: Any) -> None:
