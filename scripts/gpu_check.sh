@@ -11,9 +11,25 @@
 #     tests/test_contract_edges.py included) under `compute-sanitizer --tool memcheck`, with
 #     PyTorch's caching allocator off so that an access past a tensor is past its allocation;
 #     fails on any memcheck error. Log: $OUT/memcheck.log.
+#
+#   TRITON_BUNDLE=build/t38/triton.tar.xz scripts/gpu_check.sh ...
+#     runs everything under another Triton than the machine's (a tarball from
+#     scripts/triton_bundle.sh, e.g. 3.8 as torch 2.14 pins): unpacked to /tmp/triton_bundle, the
+#     machine's CUDA ptxas / cuobjdump / nvdisasm linked in, put first on PYTHONPATH, its own
+#     kernel cache.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+if [ -n "${TRITON_BUNDLE:-}" ]; then
+    tb=/tmp/triton_bundle
+    rm -rf "$tb" && mkdir -p "$tb" && tar -xJf "$TRITON_BUNDLE" -C "$tb" || { echo "cannot unpack $TRITON_BUNDLE"; exit 3; }
+    mkdir -p "$tb/triton/backends/nvidia/bin"
+    for t in ptxas cuobjdump nvdisasm; do
+        p=$(command -v "$t" || ls /usr/local/cuda/bin/"$t" 2>/dev/null)
+        [ -n "$p" ] && ln -sf "$p" "$tb/triton/backends/nvidia/bin/$t"
+    done
+    export PYTHONPATH="$tb:$PYTHONPATH" TRITON_CACHE_DIR=/tmp/triton_bundle_cache
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 if [ "${1:-}" = "--memcheck" ]; then
     shift

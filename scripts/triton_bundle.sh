@@ -7,7 +7,8 @@
 # Writes build/t38/triton.tar.xz (~40 MB for 3.8.0): the package without the profiler library,
 # the NVIDIA binaries (ptxas, cuobjdump, nvdisasm: take the machine's CUDA ones) and CUPTI;
 # libtriton stripped. The wheel's Python tag must match the target's python3 (3.12 on the lent
-# H200). On the target:
+# H200). On the target, `TRITON_BUNDLE=build/t38/triton.tar.xz scripts/gpu_check.sh` does the
+# following itself:
 #
 #   mkdir -p /tmp/tn && tar -xJf build/t38/triton.tar.xz -C /tmp/tn
 #   B=/tmp/tn/triton/backends/nvidia/bin; mkdir -p $B
