@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The 2-CTA cluster probes of issue 11's h_q 128 route (docs/experiments/cluster_*.py), run on an
+# sm_90 GPU under a Triton >= 3.8 bundle from scripts/triton_bundle.sh (the machine's Triton 3.6
+# has no async_store):
+#
+#   TRITON_BUNDLE=build/t38/triton.tar.xz scripts/cluster_probes.sh
+#
+# Prints each probe's verdict (the exchange, the ring with the cross-CTA release, the pair's QKᵀ,
+# the producer timing solo vs pair); exit status 1 if any check fails.
+set -uo pipefail
+: "${TRITON_BUNDLE:?set TRITON_BUNDLE to a tarball from scripts/triton_bundle.sh}"
+root=$PWD
+tb=/tmp/triton_bundle
+rm -rf "$tb" && mkdir -p "$tb" && tar -xJf "$TRITON_BUNDLE" -C "$tb" || { echo "cannot unpack $TRITON_BUNDLE"; exit 3; }
+mkdir -p "$tb/triton/backends/nvidia/bin"
+for t in ptxas cuobjdump nvdisasm; do
+    p=$(command -v "$t" || ls /usr/local/cuda/bin/"$t" 2>/dev/null)
+    [ -n "$p" ] && ln -sf "$p" "$tb/triton/backends/nvidia/bin/$t"
+done
+export PYTHONPATH="$tb" TRITON_CACHE_DIR=/tmp/triton_bundle_cache PYTHONUNBUFFERED=1
+python3 -c "import triton; print('triton', triton.__version__, triton.__file__)"
+status=0
+cd /tmp || exit 3
+timeout 60 python3 "$root/docs/experiments/cluster_async_store_probe.py" pair-run || status=1
+timeout 60 python3 "$root/docs/experiments/cluster_ring_probe.py" run || status=1
+timeout 60 python3 "$root/docs/experiments/cluster_mma_probe.py" run || status=1
+timeout 120 python3 "$root/docs/experiments/cluster_producer_bench.py" run 62 || status=1
+exit $status
