@@ -25,4 +25,7 @@ timeout 60 python3 "$root/docs/experiments/cluster_async_store_probe.py" pair-ru
 timeout 60 python3 "$root/docs/experiments/cluster_ring_probe.py" run || status=1
 timeout 60 python3 "$root/docs/experiments/cluster_mma_probe.py" run || status=1
 timeout 120 python3 "$root/docs/experiments/cluster_producer_bench.py" run 62 || status=1
+# the draft kernel: the sparse prefill at h_q 128 from the FP8 cache with the pair sharing each tile
+timeout 120 python3 "$root/docs/experiments/cluster_prefill_v32.py" check || status=1
+timeout 120 python3 "$root/docs/experiments/cluster_prefill_v32.py" bench || status=1
 exit $status
