@@ -102,9 +102,7 @@ def _topk(
     """:func:`topk_indices` after its ``k`` check; with ``table`` the positions are mapped to cache
     slots (``[rows, k]``; the caller checked ``table``, ``page_block_size`` and ``next_n``);
     ``ordered`` False lets the kernels leave their sort out."""
-    check_tensor_arg(logits, "logits", (torch.float32, torch.float16, torch.bfloat16), 2)
-    if logits.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"logits: expected a CPU or CUDA tensor, got one on {logits.device}")
+    check_tensor_arg(logits, "logits", (torch.float32, torch.float16, torch.bfloat16), 2)  # CPU or CUDA
     rows, n = logits.shape
     dev = logits.device
     lo = _check_range(row_starts, "row_starts", rows, dev)
