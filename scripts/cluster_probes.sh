@@ -10,14 +10,8 @@
 set -uo pipefail
 : "${TRITON_BUNDLE:?set TRITON_BUNDLE to a tarball from scripts/triton_bundle.sh}"
 root=$PWD
-tb=/tmp/triton_bundle
-rm -rf "$tb" && mkdir -p "$tb" && tar -xJf "$TRITON_BUNDLE" -C "$tb" || { echo "cannot unpack $TRITON_BUNDLE"; exit 3; }
-mkdir -p "$tb/triton/backends/nvidia/bin"
-for t in ptxas cuobjdump nvdisasm; do
-    p=$(command -v "$t" || ls /usr/local/cuda/bin/"$t" 2>/dev/null)
-    [ -n "$p" ] && ln -sf "$p" "$tb/triton/backends/nvidia/bin/$t"
-done
-export PYTHONPATH="$tb" TRITON_CACHE_DIR=/tmp/triton_bundle_cache PYTHONUNBUFFERED=1
+source "$root/scripts/triton_bundle_env.sh" || exit 3
+export PYTHONUNBUFFERED=1
 python3 -c "import triton; print('triton', triton.__version__, triton.__file__)"
 status=0
 cd /tmp || exit 3

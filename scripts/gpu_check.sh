@@ -20,16 +20,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-if [ -n "${TRITON_BUNDLE:-}" ]; then
-    tb=/tmp/triton_bundle
-    rm -rf "$tb" && mkdir -p "$tb" && tar -xJf "$TRITON_BUNDLE" -C "$tb" || { echo "cannot unpack $TRITON_BUNDLE"; exit 3; }
-    mkdir -p "$tb/triton/backends/nvidia/bin"
-    for t in ptxas cuobjdump nvdisasm; do
-        p=$(command -v "$t" || ls /usr/local/cuda/bin/"$t" 2>/dev/null)
-        [ -n "$p" ] && ln -sf "$p" "$tb/triton/backends/nvidia/bin/$t"
-    done
-    export PYTHONPATH="$tb:$PYTHONPATH" TRITON_CACHE_DIR=/tmp/triton_bundle_cache
-fi
+source "$(dirname "$0")/triton_bundle_env.sh" || exit 3
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 if [ "${1:-}" = "--memcheck" ]; then
     shift
