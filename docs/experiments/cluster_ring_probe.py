@@ -49,55 +49,34 @@ def _tile(i: gl.constexpr):
 
 @gluon.jit
 def ring(out, ITERS: gl.constexpr):
-    st0 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], S_T)
-    st1 = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], S_T)
-    es0 = gl.allocate_shared_memory(gl.int32, [2, 2], S_E)
-    es1 = gl.allocate_shared_memory(gl.int32, [2, 2], S_E)
-    ready0 = mbarrier.allocate_mbarrier()
-    ready1 = mbarrier.allocate_mbarrier()
-    empty0 = mbarrier.allocate_mbarrier()
-    empty1 = mbarrier.allocate_mbarrier()
-    for b in gl.static_range(4):
-        if b == 0:
-            mbarrier.init(ready0, count=1)
-        elif b == 1:
-            mbarrier.init(ready1, count=1)
-        elif b == 2:
-            mbarrier.init(empty0, count=1)
-        else:
-            mbarrier.init(empty1, count=1)
+    stages = gl.allocate_shared_memory(gl.bfloat16, [2, 2, 64, 64], S_T)  # [stage, holder CTA, ...]
+    signals = gl.allocate_shared_memory(gl.int32, [2, 2, 2], S_E)
+    ready = mbarrier.allocate_mbarrier(batch=2)
+    empty = mbarrier.allocate_mbarrier(batch=2)
+    for s in gl.static_range(2):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
     mbarrier.fence_init_release_cluster()
     cluster.barrier(relaxed=True)
     token = gl.full([2, 2], 1, gl.int32, L_E)
     d_out = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_T)))
     for i in gl.static_range(ITERS):
+        stage = stages.index(i % 2)
         # producer: wait until both consumers released this stage (iteration i - 2), then store
         # this CTA's half of tile i into both CTAs' stage
-        if i % 2 == 0:
-            if i >= 2:
-                mbarrier.expect(empty0, es0.nbytes_per_cta)
-                mbarrier.wait(empty0, ((i - 2) // 2) & 1)
-            mbarrier.expect(ready0, st0.nbytes_per_cta)
-            hopper.async_store(st0, _tile(i), ready0)
-            mbarrier.wait(ready0, (i // 2) & 1, deps=[st0])
-            t = st0.load(L_T)
-        else:
-            if i >= 2:
-                mbarrier.expect(empty1, es1.nbytes_per_cta)
-                mbarrier.wait(empty1, ((i - 2) // 2) & 1)
-            mbarrier.expect(ready1, st1.nbytes_per_cta)
-            hopper.async_store(st1, _tile(i), ready1)
-            mbarrier.wait(ready1, (i // 2) & 1, deps=[st1])
-            t = st1.load(L_T)
+        if i >= 2:
+            mbarrier.expect(empty.index(i % 2), signals.index(i % 2).nbytes_per_cta)
+            mbarrier.wait(empty.index(i % 2), ((i - 2) // 2) & 1)
+        mbarrier.expect(ready.index(i % 2), stage.nbytes_per_cta)
+        hopper.async_store(stage, _tile(i), ready.index(i % 2))
+        mbarrier.wait(ready.index(i % 2), (i // 2) & 1, deps=[stage])
+        t = stage.load(L_T)
         # consumer: the whole tile's sum in this CTA's copy (element d of [2]: CTA d's)
         tot = gl.sum(gl.sum(t.to(gl.float32), axis=2), axis=1)
         gl.store(out + (gl.program_id(0) * 2 + d_out) * ITERS + i, tot)
         # release the stage to both producers (not after the last two uses: nobody waits)
         if i + 2 < ITERS:
-            if i % 2 == 0:
-                hopper.async_store(es0, token, empty0)
-            else:
-                hopper.async_store(es1, token, empty1)
+            hopper.async_store(signals.index(i % 2), token, empty.index(i % 2))
     cluster.barrier()
 
 
