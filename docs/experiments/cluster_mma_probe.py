@@ -6,7 +6,8 @@ leaves the ring), the wgmma accumulator split like Q. Offline (session 9, Triton
 4 wgmma per CTA (k 64 in steps of 16), 16 KB of smem per CTA (its 64 rows of Q and its K), the
 stores of S unpredicated with addresses from ``%cluster_ctarank`` (each CTA writes its heads).
 ``qk_exchanged`` adds the exchange in front of the MMA (K made half by each CTA, stored into both
-CTAs, read through a replicated ``_reinterpret`` view): compiles to 4 st.async and 4 wgmma per CTA.
+CTAs, read through a replicated ``_reinterpret`` view): compiles to 4 st.async and 4 wgmma per CTA. Both ran right on the H200 in session 10 (max |S -
+torch| 3.8e-6).
 
     python docs/experiments/cluster_mma_probe.py        # compile, PTX counts
     python docs/experiments/cluster_mma_probe.py run    # on the GPU: S against torch

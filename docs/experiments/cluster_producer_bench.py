@@ -1,5 +1,11 @@
 """Producer microbenchmark for issue 11's h_q 128 route (Triton >= 3.8; ``compile`` offline,
-``run`` on an sm_90 GPU). Prepared in session 9, not yet run.
+``run`` on an sm_90 GPU). Prepared in session 9; run in session 10 (H200, Triton 3.8.0,
+``benchmarks/results/2026-12-01_nvidia-h200_cluster_probes_session10.txt``): **solo 180.6 µs, pair
+295.0 µs** for 62 blocks, both delivering the right tiles. Sharing the conversion through
+per-thread ``st.async`` (16 B per instruction, half of it to the peer's smem) costs more than the
+half of the gather and conversion it saves; the first run hung (a ``[2, 2]`` release token is
+replicated over the 128 threads and ``async_store`` stores every replica, so ``empty`` got 128x
+its bytes).
 
 Question: does sharing the block's conversion between the two CTAs of a head pair halve the
 producer's time? At b=64/h_q=128 our producer alone takes 188 µs, FlashMLA's whole kernel 188.
@@ -10,8 +16,8 @@ producer's time? At b=64/h_q=128 our producer alone takes 188 µs, FlashMLA's wh
 * ``pair``: 66 clusters of 2 CTAs: CTA r gathers and converts rows ``[32r, 32r + 32)`` of each block
   and stores them into both CTAs' stage with one ``hopper.async_store`` (destination ``[2, 64, 4,
   128]`` held per CTA, value split over the CTAs on the rows: ``cluster_async_store_probe.py``);
-  ``ready`` expects the whole tile; consumers release a stage to both producers with a 4-byte
-  ``async_store`` onto each CTA's ``empty`` (``cluster_ring_probe.py``).
+  ``ready`` expects the whole tile; consumers release a stage to both producers with one int32 per
+  thread ``async_store``d onto each CTA's ``empty`` (``cluster_ring_probe.py``).
 
 Both deliver the same tiles to the same 132 rings. A consumer partition only waits and releases
 (no MMA), so the time is the producers'. ``run`` also checks that each CTA's copy of the last tile
@@ -45,6 +51,8 @@ PS: gl.constexpr = gl.NVMMASharedLayout(
 PR: gl.constexpr = gl.BlockedLayout(
     [1, 1, 1, 8], [1, 8, 1, 4], [1, 4, 1, 1], [3, 2, 1, 0], cga_layout=[[1, 0, 0, 0]]
 )  # reading this CTA's copy
+# the release token [destination CTA, 256]: one int32 per consumer thread and destination (async_store
+# stores every replica of a replicated element, each completing its bytes on the barrier again)
 PE: gl.constexpr = gl.BlockedLayout([2, 1], [1, 32], [1, 4], [1, 0], cga_layout=[[0, 1]])
 PES: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0], cga_layout=[[1, 0]])
 # ---- solo (num_ctas=1) layouts ------------------------------------------------------------------
@@ -77,8 +85,8 @@ def _pair_producer(cache, idx_ptr, n_tok, nblk, ring, ready, empty):
     for j in range(nblk):
         stage = j % 2
         kv = _gather(cache, idx_ptr + (cid * nblk + j).to(gl.int64) * 64, n_tok, P3)
-        if j >= 2:  # both consumers released this stage (block j - 2): 4 bytes from each
-            mbarrier.expect(empty.index(stage), 8)
+        if j >= 2:  # both consumers released this stage (block j - 2): 512 bytes from each
+            mbarrier.expect(empty.index(stage), 1024)
             mbarrier.wait(empty.index(stage), ((j - 2) // 2) & 1)
         mbarrier.expect(ready.index(stage), 64 * 512 * 2)
         hopper.async_store(ring.index(stage), gl.expand_dims(kv, 0).broadcast_to([2, 64, 4, 128]), ready.index(stage))
@@ -86,7 +94,7 @@ def _pair_producer(cache, idx_ptr, n_tok, nblk, ring, ready, empty):
 
 @gluon.jit
 def _pair_consumer(nblk, ring, esig, ready, empty, out):
-    token = gl.full([2, 2], 1, gl.int32, PE)
+    token = gl.full([2, 256], 1, gl.int32, PE)
     for j in range(nblk):
         stage = j % 2
         mbarrier.wait(ready.index(stage), (j // 2) & 1)
@@ -111,7 +119,7 @@ def _pair_consumer(nblk, ring, esig, ready, empty, out):
 @gluon.jit
 def pair_bench(cache, idx_ptr, n_tok, nblk, out):
     ring = gl.allocate_shared_memory(gl.bfloat16, [2, 2, 64, 4, 128], PS)
-    esig = gl.allocate_shared_memory(gl.int32, [2, 2, 2], PES)
+    esig = gl.allocate_shared_memory(gl.int32, [2, 2, 256], PES)
     ready = mbarrier.allocate_mbarrier(batch=2)
     empty = mbarrier.allocate_mbarrier(batch=2)
     for i in gl.static_range(2):

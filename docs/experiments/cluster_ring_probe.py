@@ -4,11 +4,15 @@ pair makes half of every ``[64, 64]`` bf16 tile (rows ``[32c, 32c + 32)``) and s
 stage of both CTAs with one ``hopper.async_store`` (the ``[2, ...]`` row-per-CTA destination of
 ``cluster_async_store_probe.py``), completing on each CTA's ``ready[stage]`` (``expect``: the whole
 tile, half from itself, half from the peer). Each CTA's consumer reads its copy, sums it, and
-releases the stage to both producers by a 4-byte ``async_store`` into each CTA's ``[2, 2]`` signal
-row, completing on each CTA's ``empty[stage]`` (``expect``: 8 bytes, one word from each consumer)
+releases the stage to both producers by an ``async_store`` of one int32 per thread into each CTA's
+``[2, 256]`` signal row, completing on each CTA's ``empty[stage]`` (``expect``: 1 KB, 512 B from each
+consumer; a token with replicated elements hung the first run: every replica completes its bytes)
 — the cross-CTA "empty" that Triton 3.8's ``mbarrier.arrive`` cannot address. Barriers are made
 visible to the peer before use (``fence_init_release_cluster`` + a relaxed cluster barrier) and a
 final cluster barrier keeps a CTA alive while the peer may still store into it.
+
+Session 10 on the H200: every CTA summed every whole tile (the first run, with a ``[2, 2]`` token,
+hung).
 
     python docs/experiments/cluster_ring_probe.py          # compile for sm_90a, PTX counts
     python docs/experiments/cluster_ring_probe.py run      # on the GPU: ITERS tiles per CTA checked
@@ -31,7 +35,9 @@ L_V: gl.constexpr = gl.BlockedLayout([2, 1, 8], [1, 4, 8], [1, 4, 1], [2, 1, 0],
 # a stage: [2, 64, 64], CTA d holds [d] (its own whole copy)
 S_T: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0], cga_layout=[[1, 0, 0]])
 L_T: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, 4, 1], [2, 1, 0], cga_layout=[[1, 0, 0]])
-# the release signal: [2 (destination CTA), 2 (source CTA)] int32
+# the release signal: [2 (destination CTA), 256] int32, columns [128c, 128c + 128) from CTA c: one
+# element per consumer thread and destination, because async_store stores every replica of a
+# replicated element (Triton 3.8: each duplicate completes its bytes on the barrier again)
 L_E: gl.constexpr = gl.BlockedLayout([2, 1], [1, 32], [1, 4], [1, 0], cga_layout=[[0, 1]])
 S_E: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0], cga_layout=[[1, 0]])
 
@@ -50,7 +56,7 @@ def _tile(i: gl.constexpr):
 @gluon.jit
 def ring(out, ITERS: gl.constexpr):
     stages = gl.allocate_shared_memory(gl.bfloat16, [2, 2, 64, 64], S_T)  # [stage, holder CTA, ...]
-    signals = gl.allocate_shared_memory(gl.int32, [2, 2, 2], S_E)
+    signals = gl.allocate_shared_memory(gl.int32, [2, 2, 256], S_E)
     ready = mbarrier.allocate_mbarrier(batch=2)
     empty = mbarrier.allocate_mbarrier(batch=2)
     for s in gl.static_range(2):
@@ -58,7 +64,7 @@ def ring(out, ITERS: gl.constexpr):
         mbarrier.init(empty.index(s), count=1)
     mbarrier.fence_init_release_cluster()
     cluster.barrier(relaxed=True)
-    token = gl.full([2, 2], 1, gl.int32, L_E)
+    token = gl.full([2, 256], 1, gl.int32, L_E)
     d_out = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_T)))
     for i in gl.static_range(ITERS):
         stage = stages.index(i % 2)
