@@ -38,6 +38,15 @@ from ..runtime import interpreting
 __all__ = ["launch", "launch_fitting", "direct_launch_enabled", "recording", "make_replay", "Replay"]
 
 _ENV = "SPARSE_MLA_DIRECT_LAUNCH"
+try:  # the variable read straight from os.environ's own store: os.environ.get costs ~0.6 µs a call
+    _ENV_STORE, _ENV_KEY, _ENV_OFF = os.environ._data, os.environ.encodekey(_ENV), os.environ.encodevalue("0")
+except AttributeError:  # another os.environ than CPython's: the public mapping
+    _ENV_STORE, _ENV_KEY, _ENV_OFF = os.environ, _ENV, "0"
+
+
+def _direct_off() -> bool:
+    """Whether ``SPARSE_MLA_DIRECT_LAUNCH=0`` is set now (read on every call: tests flip it)."""
+    return _ENV_STORE.get(_ENV_KEY) == _ENV_OFF
 
 
 _CACHE: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
@@ -48,7 +57,7 @@ MAX_KEYS = 4096
 def direct_launch_enabled() -> bool:
     """Whether repeated launches go straight to the compiled kernel (``SPARSE_MLA_DIRECT_LAUNCH``,
     default on; always off under the interpreter)."""
-    return os.environ.get(_ENV, "1") != "0" and not interpreting()
+    return not _direct_off() and not interpreting()
 
 
 def _spec(a: Any) -> Any:
@@ -215,6 +224,39 @@ def make_replay(
     return Replay(torch.cuda.current_device(), tuple(steps), aligns, fixed)
 
 
+def _compile_steps(steps: tuple, aligns: tuple):
+    """One Python function ``launch_all(tensors, stream) -> bool`` for a replay's steps: the
+    alignment checks, then every launch with its argument list written out (constants inline,
+    ``p<i>`` the i-th per-call tensor's pointer), so a call does no list copies or slot loops."""
+    env: dict[str, Any] = {}
+    lines = ["def launch_all(t, stream):"]
+    for i, align in aligns:
+        lines.append(f"    p{i} = t[{i}].data_ptr()")
+        lines.append(f"    if p{i} & 15 != {align}: return False")
+
+    def const(x: Any) -> str:
+        if x is None or type(x) in (int, bool):
+            return repr(x)
+        name = f"c{len(env)}"  # floats (repr round-trips, but nan/inf are not literals) and the rest
+        env[name] = x
+        return name
+
+    for k, (run, function, metadata, grid, template, slots) in enumerate(steps):
+        env[f"run{k}"], env[f"fn{k}"], env[f"md{k}"] = run, function, metadata
+        exprs = [const(a) if type(a) is not tuple else [const(x) for x in a] for a in template]
+        for pos, sub, i in slots:
+            if sub < 0:
+                exprs[pos] = f"p{i}"
+            else:
+                exprs[pos][sub] = f"p{i}"
+        args = ", ".join(e if type(e) is str else "(" + "".join(x + ", " for x in e) + ")" for e in exprs)
+        gx, gy, gz = (int(g) for g in grid)
+        lines.append(f"    run{k}({gx}, {gy}, {gz}, stream, fn{k}, md{k}, None, None, None, {args})")
+    lines.append("    return True")
+    exec(compile("\n".join(lines), "<sparse_mla replay>", "exec"), env)
+    return env["launch_all"]
+
+
 def _placer(tensors: Sequence[torch.Tensor | None], fixed: tuple[torch.Tensor, ...]):
     """``place(x)``: the index of tensor ``x`` in ``tensors``, -1 for one of ``fixed``, None for
     neither or unclear (see :func:`make_replay`)."""
@@ -247,38 +289,25 @@ class Replay:
     device, no launch hook installed, ``SPARSE_MLA_DIRECT_LAUNCH`` not 0.
     """
 
-    __slots__ = ("device", "steps", "aligns", "keep")
+    __slots__ = ("device", "steps", "aligns", "keep", "_launch_all")
 
     def __init__(self, device: int, steps: tuple, aligns: tuple, keep: tuple) -> None:
         self.device = device
         self.steps = steps
         self.aligns = aligns  # (index in tensors, data_ptr & 15) of each per-call tensor used
         self.keep = keep  # the fixed tensors whose pointers the templates hold
+        self._launch_all = _compile_steps(steps, aligns)
 
     def run(self, tensors: Sequence[torch.Tensor | None]) -> bool:
         """Relaunch with ``tensors`` (in the order given to :func:`make_replay`). False, having
         launched nothing, when the checks above fail: the caller then takes the normal path."""
-        if os.environ.get(_ENV) == "0" or _hooks_installed():
+        if _direct_off() or _hooks_installed():
             return False
-        ptrs = [0] * len(tensors)
-        for i, align in self.aligns:
-            ptr = tensors[i].data_ptr()
-            if ptr & 15 != align:
-                return False
-            ptrs[i] = ptr
         dev = torch.cuda.current_device()
         if dev != self.device:
             return False
-        stream = torch._C._cuda_getCurrentRawStream(dev)
-        for run, function, metadata, grid, template, slots in self.steps:
-            args = template.copy()
-            for pos, sub, i in slots:
-                if sub < 0:
-                    args[pos] = ptrs[i]
-                else:
-                    items = list(args[pos])
-                    items[sub] = ptrs[i]
-                    args[pos] = tuple(items)
-            run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args)
-        _record(None)  # a replay inside a recording cannot be recorded again
+        if not self._launch_all(tensors, torch._C._cuda_getCurrentRawStream(dev)):
+            return False  # an alignment differs: nothing was launched
+        if getattr(_recording, "launches", None) is not None:
+            _record(None)  # a replay inside a recording cannot be recorded again
         return True

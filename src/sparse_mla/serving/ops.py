@@ -362,8 +362,8 @@ def decode(
                   extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,
                   extra_topk_length=extra_topk_length, out=out, lse=lse)  # fmt: skip
     # with their types: 512.0 == 512 and True == 1, but validation refuses a float head_dim_v / bool scale
-    scalars = (head_dim_v, softmax_scale, is_fp8_kvcache, causal, backend)
-    scalars = (scalars, tuple(map(type, scalars)))
+    scalars = (head_dim_v, type(head_dim_v), softmax_scale, type(softmax_scale), is_fp8_kvcache,
+               type(is_fp8_kvcache), causal, type(causal), backend)  # fmt: skip
     fp = None if through_op else _fingerprint(fields.values())
     cached = tile_scheduler_metadata.call_cache
     if fp is not None and cached is not None and cached[0] == fp and cached[1] == scalars:
@@ -463,10 +463,11 @@ def _replay(replay: Replay, q: torch.Tensor, fields: dict) -> tuple[torch.Tensor
         return None
     out, lse = fields["out"], fields["lse"]
     b, s_q, h_q, _ = q.shape
+    # (the sizes one by one: torch.empty parses them faster than a shape tuple)
     if out is None:
-        out = torch.empty((b, s_q, h_q, D_V), dtype=torch.bfloat16, device=q.device)
+        out = torch.empty(b, s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
     if lse is None:
-        lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
+        lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
     return (out, lse) if replay.run(_call_tensors(fields, out, lse)) else None
 
 
@@ -479,15 +480,13 @@ def _fingerprint(tensors) -> tuple | None:
     alignment), or None when one is neither a plain tensor nor None (no shortcut). Not the storage
     offset: the layers of an engine are often views of one pool at different offsets, and one
     scheduler object serves them all (a fingerprint per offset re-validated every layer's call)."""
-    fp = []
+    tensors = tuple(tensors)
     for t in tensors:
-        if t is None:
-            fp.append(None)
-        elif type(t) is torch.Tensor:
-            fp.append((t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15))
-        else:
+        if t is not None and type(t) is not torch.Tensor:
             return None
-    return tuple(fp)
+    return tuple([None if t is None else (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15) for t in tensors])
+
+
 
 
 def _dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
