@@ -487,8 +487,6 @@ def _fingerprint(tensors) -> tuple | None:
     return tuple([None if t is None else (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15) for t in tensors])
 
 
-
-
 def _dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """A 1-D argument as the validator returns it (contiguous; a copy for a view, on the device)."""
     return None if t is None else t.contiguous()
