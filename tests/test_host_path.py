@@ -344,3 +344,67 @@ def test_replayed_kernels_give_the_normal_paths_results(monkeypatch, feature):
     want = _call(p2, meta, "auto")
     assert runs == [True, False]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+class CudaLauncher:
+    """Stands for Triton 3.6's compiled-kernel launcher: its ``__call__`` (recorded in ``wrapped``)
+    adds the cooperative and PDL flags and the two scratch buffers (None without scratch) and
+    forwards to the C entry ``launch`` (recorded in ``calls``)."""
+
+    def __init__(self, scratch: int = 0, coop: bool = False, pdl: bool = True) -> None:
+        self.calls, self.wrapped = [], []
+        self.launch = lambda *a: self.calls.append(a)
+        self.global_scratch_size = self.profile_scratch_size = scratch
+        self.launch_cooperative_grid, self.launch_pdl = coop, pdl
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.wrapped.append(function)
+        self.launch(
+            gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args
+        )
+
+
+class CudaLauncher38(CudaLauncher):
+    """Triton 3.8's wrapper names its metadata and hook arguments (and passes the C entry others)."""
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, h0, h1, *args):
+        self.wrapped.append(function)
+
+
+CudaLauncher38.__name__ = "CudaLauncher"
+
+
+def _replay_through(run, version="3.6.0"):
+    """A two-launch replay through ``run`` (a nested tuple argument, a float, None and per-call
+    pointers) under Triton ``version``, run once: the two per-call pointers."""
+    import triton
+
+    a, b = torch.zeros(4), torch.zeros(8)
+    steps = tuple(
+        (run, f"fn{k}", ("meta", k), (3, 1, 2), [0, (7, 0), 0.5, None, k], ((0, -1, 0), (1, 1, 1))) for k in range(2)
+    )
+    saved, triton.__version__ = triton.__version__, version
+    try:
+        fn = launcher._compile_steps(steps, ((0, a.data_ptr() & 15), (1, b.data_ptr() & 15)))
+    finally:
+        triton.__version__ = saved
+    assert fn((a, b), 99) is True
+    return a.data_ptr(), b.data_ptr()
+
+
+def test_replay_calls_the_c_entry_with_the_wrappers_arguments():
+    direct = CudaLauncher()
+    pa, pb = _replay_through(direct)
+    assert direct.wrapped == []  # the wrapper was skipped
+    wrapped = CudaLauncher()
+    for k in range(2):  # what the wrapper passes the C entry for the same launches
+        wrapped(3, 1, 2, 99, f"fn{k}", ("meta", k), None, None, None, pa, (7, pb), 0.5, None, k)
+    assert direct.calls == wrapped.calls and len(direct.calls) == 2
+    assert direct.calls[0][5:9] == (False, True, None, None)
+
+
+@pytest.mark.parametrize("case", ["scratch", "version", "signature"])
+def test_replay_keeps_the_wrapper_when_it_does_more_than_forward(case):
+    run = {"scratch": CudaLauncher(scratch=16), "version": CudaLauncher(), "signature": CudaLauncher38()}[case]
+    _replay_through(run, version="3.8.0" if case == "version" else "3.6.0")
+    assert run.wrapped == ["fn0", "fn1"]  # through the wrapper both times

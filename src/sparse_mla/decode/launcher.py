@@ -25,6 +25,7 @@ geometry).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -224,10 +225,37 @@ def make_replay(
     return Replay(torch.cuda.current_device(), tuple(steps), aligns, fixed)
 
 
+def _c_entry(run: Any) -> tuple[Any, bool, bool] | None:
+    """``(launch, cooperative, pdl)``: the C function behind a compiled kernel's launcher ``run``
+    and the two flags its Python wrapper adds, when that wrapper would only forward to it
+    (Triton 3.6's ``CudaLauncher.__call__``, no global or profile scratch to allocate); None for
+    any other launcher (other Triton versions, other drivers, the launch stub)."""
+    import triton
+
+    cls = type(run)
+    if cls.__name__ != "CudaLauncher" or not triton.__version__.startswith("3.6."):
+        return None
+    try:
+        params = list(inspect.signature(cls.__call__).parameters)
+    except (TypeError, ValueError):
+        return None
+    if params != ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]:
+        return None
+    entry = getattr(run, "launch", None)
+    coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
+    if entry is None or not isinstance(coop, bool) or not isinstance(pdl, bool):
+        return None
+    if getattr(run, "global_scratch_size", 1) != 0 or getattr(run, "profile_scratch_size", 1) != 0:
+        return None
+    return entry, coop, pdl
+
+
 def _compile_steps(steps: tuple, aligns: tuple):
     """One Python function ``launch_all(tensors, stream) -> bool`` for a replay's steps: the
     alignment checks, then every launch with its argument list written out (constants inline,
-    ``p<i>`` the i-th per-call tensor's pointer), so a call does no list copies or slot loops."""
+    ``p<i>`` the i-th per-call tensor's pointer), so a call does no list copies or slot loops.
+    Where the compiled launcher's Python wrapper would only forward (:func:`_c_entry`), its C
+    entry is called directly with the arguments the wrapper would add."""
     env: dict[str, Any] = {}
     lines = ["def launch_all(t, stream):"]
     for i, align in aligns:
@@ -251,7 +279,14 @@ def _compile_steps(steps: tuple, aligns: tuple):
                 exprs[pos][sub] = f"p{i}"
         args = ", ".join(e if type(e) is str else "(" + "".join(x + ", " for x in e) + ")" for e in exprs)
         gx, gy, gz = (int(g) for g in grid)
-        lines.append(f"    run{k}({gx}, {gy}, {gz}, stream, fn{k}, md{k}, None, None, None, {args})")
+        direct = _c_entry(run)
+        if direct is None:
+            lines.append(f"    run{k}({gx}, {gy}, {gz}, stream, fn{k}, md{k}, None, None, None, {args})")
+        else:  # (grid, stream, function, cooperative, pdl, global and profile scratch, metadata, hooks)
+            env[f"run{k}"], coop, pdl = direct
+            lines.append(
+                f"    run{k}({gx}, {gy}, {gz}, stream, fn{k}, {coop}, {pdl}, None, None, md{k}, None, None, None, {args})"
+            )
     lines.append("    return True")
     exec(compile("\n".join(lines), "<sparse_mla replay>", "exec"), env)
     return env["launch_all"]
