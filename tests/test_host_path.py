@@ -408,3 +408,73 @@ def test_replay_keeps_the_wrapper_when_it_does_more_than_forward(case):
     run = {"scratch": CudaLauncher(scratch=16), "version": CudaLauncher(), "signature": CudaLauncher38()}[case]
     _replay_through(run, version="3.8.0" if case == "version" else "3.6.0")
     assert run.wrapped == ["fn0", "fn1"]  # through the wrapper both times
+
+
+def _shrunk(t):
+    """A copy of ``t`` whose storage is then cut to half (the view's last elements outside it)."""
+    c = t.clone()
+    c.untyped_storage().resize_(c.untyped_storage().nbytes() // 2)
+    return c
+
+
+@pytest.mark.parametrize("repeated", [False, True])
+@pytest.mark.parametrize("arg", ["k_cache", "q"])
+def test_a_storage_shrunk_under_a_tensor_is_refused(log, arg, repeated):
+    p = _problem(seed=12)
+    meta, _ = flash_mla.get_mla_metadata()
+    if repeated:  # the shortcut of a repeated call (same geometry) must not skip it
+        _call(p, meta, "hopper")
+    setattr(p, arg, _shrunk(getattr(p, arg)))
+    log.clear()
+    with pytest.raises(ValueError, match=f"^{arg}: .*storage"):
+        _call(p, meta, "hopper")
+    assert log == []
+
+
+@pytest.mark.parametrize("repeated", [False, True])
+@pytest.mark.parametrize(
+    "make",
+    [torch._neg_view, lambda q: q.to_sparse(), lambda q: torch._efficientzerotensor(q.shape, dtype=q.dtype)],
+    ids=["negated view", "sparse", "zero tensor"],
+)
+def test_tensors_the_kernels_cannot_read_as_stored_are_refused(log, make, repeated):
+    p = _problem(seed=13)
+    meta, _ = flash_mla.get_mla_metadata()
+    if repeated:
+        _call(p, meta, "hopper")
+    p.q = make(p.q)
+    log.clear()
+    with pytest.raises(ValueError, match="^q: "):
+        _call(p, meta, "hopper")
+    assert log == []
+
+
+def test_scalars_of_other_types_are_validated_on_every_call(log, monkeypatch):
+    class Dim(int):  # an == that always says yes must not pass for the validated value
+        def __eq__(self, other):
+            return True
+
+        __hash__ = int.__hash__
+
+    validated = []
+    real = ops.validate_sparse_decode
+    monkeypatch.setattr(ops, "validate_sparse_decode", lambda **kw: validated.append(1) or real(**kw))
+    p = _problem(seed=14)
+    meta, _ = flash_mla.get_mla_metadata()
+    _call(p, meta, "hopper", softmax_scale=0.1)
+    _call(p, meta, "hopper", softmax_scale=0.1)
+    assert len(validated) == 1  # plain float: the repeated call takes the shortcut
+    kw = {**p.api_kwargs(), "backend": "hopper"}
+    flash_mla.flash_mla_with_kvcache(p.q, p.k_cache, None, None, Dim(512), meta, is_fp8_kvcache=True, **kw)
+    assert len(validated) == 2
+    with pytest.raises(ValueError, match="^head_dim_v: "):
+        flash_mla.flash_mla_with_kvcache(p.q, p.k_cache, None, None, Dim(999), meta, is_fp8_kvcache=True, **kw)
+
+
+@pytest.mark.parametrize("bad", ["bogus", None, 3])
+def test_a_bad_backend_name_on_a_filled_object_is_named_as_such(log, bad):
+    p = _problem(seed=15)
+    meta, _ = flash_mla.get_mla_metadata()
+    _call(p, meta, "hopper")
+    with pytest.raises((ValueError, TypeError), match="^backend: expected"):
+        _call(p, meta, bad)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .decode.backends import AUTO_ORDER, BACKENDS, Backend, Workspace, resolve_backend
+from .decode.backends import AUTO_ORDER, BACKENDS, Backend, Workspace, get_backend, resolve_backend
 from .decode.workspace import accumulator_bytes, split_accumulators
 from .problem import MAX_H_Q, DecodeProblem
 from .runtime import cuda_num_sms
@@ -239,10 +239,13 @@ def ensure_plan(meta: FlashMLASchedMeta, p: DecodeProblem, backend: str = "auto"
     filled for and return its plan (no host synchronisation).
 
     Raises:
-        TypeError: ``meta`` is not a :class:`FlashMLASchedMeta`.
-        ValueError: a different configuration than the one ``meta`` was filled for.
+        TypeError: ``meta`` is not a :class:`FlashMLASchedMeta`; ``backend`` is not a str.
+        ValueError: ``backend`` names no backend; a different configuration than the one ``meta``
+            was filled for.
     """
     check_sched_meta(meta)
+    if backend != "auto":
+        get_backend(backend)  # an unknown name is named as such, not as another configuration
     num_sms = meta.num_sms or _device_num_sms(p.q.device)
     cfg = _config_of(p, num_sms, backend)
     if meta.have_initialized:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .formats import KVCacheLayout, check_cache_alignment, check_quantized_cache, get_layout
+from .runtime import check_plain_storage
 
 __all__ = [
     "DecodeProblem",
@@ -95,6 +96,7 @@ def check_tensor(
         raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {list(x.shape)}")
     if device is not None and x.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (where {device_of} is), got {x.device}")
+    check_plain_storage(x, name)
     return x
 
 

@@ -25,6 +25,8 @@ __all__ = [
     "backend_override",
     "cuda_num_sms",
     "on_tensor_device",
+    "check_plain_storage",
+    "storage_extent",
     "LOG2E",
     "LN2",
 ]
@@ -105,3 +107,27 @@ def on_tensor_device(fn):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def storage_extent(x: torch.Tensor) -> int:
+    """Bytes from ``x``'s first element to one past its last (0 for an empty tensor)."""
+    if x.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True))) * x.element_size()
+
+
+def check_plain_storage(x: torch.Tensor, name: str) -> None:
+    """``x`` is a dense tensor whose elements the kernels can read as stored: strided layout, not
+    a lazily negated or conjugated view (the kernels read the raw bits), not a zero tensor without
+    storage, and every element inside its storage (a storage shrunk under a view is refused)."""
+    if x.layout != torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}")
+    if x.is_neg() or x.is_conj():
+        raise ValueError(f"{name}: a lazily negated or conjugated view; pass {name}.resolve_neg() / .resolve_conj()")
+    if x._is_zerotensor():
+        raise ValueError(f"{name}: a zero tensor without storage; pass a materialised tensor (torch.zeros)")
+    if x.device.type == "meta":
+        return  # (refused by device checks where it matters; a meta tensor has no bytes to bound)
+    end = x.storage_offset() * x.element_size() + storage_extent(x)
+    if end > x.untyped_storage().nbytes():
+        raise ValueError(f"{name}: its elements run {end - x.untyped_storage().nbytes()} bytes past its storage")

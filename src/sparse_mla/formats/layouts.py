@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime import check_plain_storage
+
 __all__ = [
     "KVCacheLayout",
     "V32",
@@ -179,6 +181,7 @@ def check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_c
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(kq).__name__}")
     if kq.dtype not in (torch.float8_e4m3fn, torch.uint8):
         raise TypeError(f"{name}: expected dtype torch.float8_e4m3fn or torch.uint8 (raw bytes), got {kq.dtype}")
+    check_plain_storage(kq, name)
     if kq.dim() != 4 or kq.shape[2] != 1 or kq.shape[3] != lay.bytes_per_token:
         raise ValueError(
             f"{name}: expected shape [num_blocks, page_block_size, 1, {lay.bytes_per_token}] "

@@ -46,7 +46,7 @@ from ..problem import (
     relative_byte_ranges,
     validate_sparse_decode,
 )
-from ..runtime import on_tensor_device, use_triton
+from ..runtime import on_tensor_device, storage_extent, use_triton
 from ..scheduler import MAX_ACC_ROWS_PER_PART, META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
 
 if TYPE_CHECKING:  # importing the launcher imports Triton
@@ -366,7 +366,13 @@ def decode(
                type(is_fp8_kvcache), causal, type(causal), backend)  # fmt: skip
     fp = None if through_op else _fingerprint(fields.values())
     cached = tile_scheduler_metadata.call_cache
-    if fp is not None and cached is not None and cached[0] == fp and cached[1] == scalars:
+    if (
+        fp is not None
+        and cached is not None
+        and cached[0] == fp
+        and cached[1] == scalars
+        and _inside_storage(tuple(fields.values()), cached[5])
+    ):
         # the same geometry as the last validated call of this object: only the data differ. The
         # caller's out/lse must still not overlap this call's inputs (addresses are not in fp)
         if cached[4] is not None:
@@ -390,14 +396,18 @@ def decode(
     plan = ensure_plan(tile_scheduler_metadata, p, backend)
     if through_op:
         return into_buffers(out, lse, *call_sparse_decode_op(p, plan))
-    if fp is None:
+    # the shortcut compares the scalars with ==: kept only for the built-in types, whose == cannot
+    # lie (the types are compared too, so a later call with another type is validated)
+    if fp is None or not all(type(x) in _PLAIN_SCALARS for x in scalars[0::2]):
         tile_scheduler_metadata.call_cache = None
         return _launch_planned(p, plan)
     # kept without the call's tensors (the object must not keep them alive); the launch replay (made
-    # by the first launch) in the fourth place, the byte ranges for the out/lse overlap rule last
+    # by the first launch) in the fourth place, the byte ranges for the out/lse overlap rule, then
+    # each tensor's byte extent (a repeated call checks that its tensors' storages still hold them)
     stripped = dataclasses.replace(p, **dict.fromkeys(fields))
     spans = relative_byte_ranges(fields.values()) if out is not None or lse is not None else None
-    tile_scheduler_metadata.call_cache = (fp, scalars, stripped, None, spans)
+    extents = tuple((i, t.element_size(), storage_extent(t)) for i, t in enumerate(fields.values()) if t is not None)
+    tile_scheduler_metadata.call_cache = (fp, scalars, stripped, None, spans, extents)
     fields.update(topk_length=p.topk_length, attn_sink=p.attn_sink, extra_topk_length=p.extra_topk_length)
     return _launch_planned(p, plan, tile_scheduler_metadata, fields)
 
@@ -484,7 +494,33 @@ def _fingerprint(tensors) -> tuple | None:
     for t in tensors:
         if t is not None and type(t) is not torch.Tensor:
             return None
-    return tuple([None if t is None else (t.dtype, t.shape, t.stride(), t.device, t.data_ptr() & 15) for t in tensors])
+    # a sparse tensor raises here (validation then names it); a zero tensor has data pointer 0
+    try:
+        return tuple(
+            [
+                None
+                if t is None
+                else (t.dtype, t.shape, t.stride(), t.device, (ptr := t.data_ptr()) & 15, ptr == 0, t.is_neg())
+                for t in tensors
+            ]
+        )
+    except RuntimeError:
+        return None
+
+
+def _inside_storage(tensors: tuple, extents: tuple) -> bool:
+    """Whether each tensor's elements still lie inside its storage at its offset (``extents``:
+    ``(index, element size, byte extent)`` of each tensor, from the validated call with the same
+    fingerprint)."""
+    for i, size, extent in extents:
+        t = tensors[i]
+        if t.storage_offset() * size + extent > t.untyped_storage().nbytes():
+            return False
+    return True
+
+
+#: scalar argument types the repeated-call shortcut compares (others are validated on every call)
+_PLAIN_SCALARS = (int, float, bool, str, type(None))
 
 
 def _dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
