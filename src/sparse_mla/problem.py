@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .formats import KVCacheLayout, check_cache_alignment, check_quantized_cache, get_layout
-from .runtime import check_plain_storage
+from .runtime import check_plain_storage, storage_extent
 
 __all__ = [
     "DecodeProblem",
@@ -345,12 +345,10 @@ def check_outputs_apart(tensors, rel: tuple) -> None:
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
-    """``[first, last]`` byte addresses a non-empty tensor's elements touch."""
-    lo = hi = t.data_ptr()
-    for n, st in zip(t.shape, t.stride(), strict=True):
-        span = (n - 1) * st * t.element_size()
-        lo, hi = (lo + span, hi) if span < 0 else (lo, hi + span)
-    return lo, hi + t.element_size() - 1
+    """``[first, last]`` byte addresses a non-empty tensor's elements touch (strides are never
+    negative: the first is the data pointer)."""
+    lo = t.data_ptr()
+    return lo, lo + storage_extent(t) - 1
 
 
 def _check_no_self_overlap(t: torch.Tensor, name: str) -> None:

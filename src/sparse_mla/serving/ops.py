@@ -46,7 +46,7 @@ from ..problem import (
     relative_byte_ranges,
     validate_sparse_decode,
 )
-from ..runtime import on_tensor_device, storage_extent, use_triton
+from ..runtime import on_tensor_device, use_triton
 from ..scheduler import MAX_ACC_ROWS_PER_PART, META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
 
 if TYPE_CHECKING:  # importing the launcher imports Triton
@@ -364,14 +364,15 @@ def decode(
     # with their types: 512.0 == 512 and True == 1, but validation refuses a float head_dim_v / bool scale
     scalars = (head_dim_v, type(head_dim_v), softmax_scale, type(softmax_scale), is_fp8_kvcache,
                type(is_fp8_kvcache), causal, type(causal), backend)  # fmt: skip
-    fp = None if through_op else _fingerprint(fields.values())
+    vals = tuple(fields.values())
+    fp = None if through_op else _fingerprint(vals)
     cached = tile_scheduler_metadata.call_cache
     if (
         fp is not None
         and cached is not None
         and cached[0] == fp
         and cached[1] == scalars
-        and _inside_storage(tuple(fields.values()), cached[5])
+        and _inside_storage(vals, cached[5])
     ):
         # the same geometry as the last validated call of this object: only the data differ. The
         # caller's out/lse must still not overlap this call's inputs (addresses are not in fp)
@@ -402,12 +403,12 @@ def decode(
         tile_scheduler_metadata.call_cache = None
         return _launch_planned(p, plan)
     # kept without the call's tensors (the object must not keep them alive); the launch replay (made
-    # by the first launch) in the fourth place, the byte ranges for the out/lse overlap rule, then
-    # each tensor's byte extent (a repeated call checks that its tensors' storages still hold them)
+    # by the first launch) in the fourth place, then the tensors' byte ranges: for the out/lse
+    # overlap rule (when the caller gave either) and for the storage bounds of a repeated call
     stripped = dataclasses.replace(p, **dict.fromkeys(fields))
-    spans = relative_byte_ranges(fields.values()) if out is not None or lse is not None else None
-    extents = tuple((i, t.element_size(), storage_extent(t)) for i, t in enumerate(fields.values()) if t is not None)
-    tile_scheduler_metadata.call_cache = (fp, scalars, stripped, None, spans, extents)
+    ranges = relative_byte_ranges(vals)
+    spans = ranges if out is not None or lse is not None else None
+    tile_scheduler_metadata.call_cache = (fp, scalars, stripped, None, spans, ranges)
     fields.update(topk_length=p.topk_length, attn_sink=p.attn_sink, extra_topk_length=p.extra_topk_length)
     return _launch_planned(p, plan, tile_scheduler_metadata, fields)
 
@@ -508,13 +509,13 @@ def _fingerprint(tensors) -> tuple | None:
         return None
 
 
-def _inside_storage(tensors: tuple, extents: tuple) -> bool:
-    """Whether each tensor's elements still lie inside its storage at its offset (``extents``:
-    ``(index, element size, byte extent)`` of each tensor, from the validated call with the same
-    fingerprint)."""
-    for i, size, extent in extents:
+def _inside_storage(tensors: tuple, ranges: tuple) -> bool:
+    """Whether each tensor's elements still lie inside its storage at its offset (``ranges``:
+    :func:`~sparse_mla.problem.relative_byte_ranges` of the validated call with the same
+    fingerprint; strides are never negative, so each range starts at the data pointer)."""
+    for i, _lo, hi in ranges:
         t = tensors[i]
-        if t.storage_offset() * size + extent > t.untyped_storage().nbytes():
+        if t.storage_offset() * t.element_size() + hi >= t.untyped_storage().nbytes():
             return False
     return True
 
