@@ -816,12 +816,35 @@ def test_nan_query_bytes_give_nan_logits_on_the_default_path():
 
 
 @needs_kernels
+def test_the_key_scale_multiplies_the_weighted_relu_sum():
+    # the model's order (DESIGN §10, DeepGEMM's): scale[j] · Σ_h w · relu(q · k[j]); for a negative
+    # scale (never written by the quantiser) it differs from Σ_h w · relu(q · k · scale), and the
+    # kernels follow the twin
+    g = torch.Generator().manual_seed(7)
+    h, d = 4, 32
+    q = torch.randn(3, h, d, generator=g).to(torch.float8_e4m3fn).to(DEVICE)
+    keys = torch.randn(6, d, generator=g).to(torch.float8_e4m3fn).to(DEVICE)
+    sc = torch.tensor([0.5, -0.25, 2.0, -1.0, 0.0, 1.0], device=DEVICE)
+    w = torch.randn(3, h, generator=g).abs().to(DEVICE)
+    ks = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    ke = torch.full((3,), 6, dtype=torch.int32, device=DEVICE)
+    got = flash_mla.fp8_mqa_logits(q, (keys, sc), w, ks, ke)
+    want = fp8_mqa_logits_reference(q, keys, sc, w, ks, ke)
+    s = torch.einsum("qhd,kd->qhk", q.float().cpu(), keys.float().cpu())
+    by_hand = (s.relu() * w.cpu().unsqueeze(-1)).sum(1) * sc.cpu()
+    torch.testing.assert_close(want.cpu(), by_hand, rtol=1e-6, atol=1e-6)
+    assert (want[:, [1, 3]] <= 0).all() and (want[:, 4] == 0).all()
+    close_to(got, want, fp8_mqa_logits_reference(abs_e4m3(q), abs_e4m3(keys), sc.abs(), w, ks, ke), d=d)
+
+
+@needs_kernels
 @pytest.mark.parametrize("h", [3, 5])
 def test_an_inf_key_scale_with_padded_heads_matches_the_twin(h):
-    # H not a power of two: the kernels' padded head rows (zero queries) times an inf key scale
-    # must add nothing (they added 0 * inf = NaN to every row's sum)
+    # H not a power of two: the kernels' padded head rows (zero queries) must add nothing to a
+    # key's sum, which its inf scale then multiplies (model order: scale · Σ_h w · relu(q · k)):
+    # a positive sum gives +inf, a zero sum (every score negative) gives NaN, never a padded row's NaN
     d = 16
-    keys = torch.full((4, d), -1.0).to(torch.float8_e4m3fn).to(DEVICE)
+    keys = torch.tensor([1.0, 1.0, -1.0, -1.0]).repeat_interleave(d).view(4, d).to(torch.float8_e4m3fn).to(DEVICE)
     sc = torch.tensor([float("inf"), 1.0, float("inf"), 0.5], device=DEVICE)
     q = torch.ones(2, h, d).to(torch.float8_e4m3fn).to(DEVICE)
     w = torch.ones(2, h, device=DEVICE)
@@ -829,7 +852,9 @@ def test_an_inf_key_scale_with_padded_heads_matches_the_twin(h):
     ke = torch.full((2,), 4, dtype=torch.int32, device=DEVICE)
     got = flash_mla.fp8_mqa_logits(q, (keys, sc), w, ks, ke)
     want = fp8_mqa_logits_reference(q, keys, sc, w, ks, ke)
-    assert not torch.isnan(want).any() and torch.equal(got, want)
+    expect = torch.tensor([float("inf"), 16.0 * h, float("nan"), 0.0], device=DEVICE).expand(2, 4)
+    torch.testing.assert_close(want, expect, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     # the paged form: the same keys and scales written into a one-block cache
     cache = torch.zeros(1, 4, 1, d + 4, dtype=torch.uint8, device=DEVICE)
     flat = cache.view(-1)
@@ -841,4 +866,5 @@ def test_an_inf_key_scale_with_padded_heads_matches_the_twin(h):
     meta = flash_mla.get_paged_mqa_logits_metadata(ctx, 4, 1)
     got = flash_mla.fp8_paged_mqa_logits(qp, cache, w[:1], ctx, bt, meta, 4)
     want = fp8_paged_mqa_logits_reference(qp, cache, w[:1], ctx, bt, 4)
-    assert not torch.isnan(want).any() and torch.equal(got, want)
+    torch.testing.assert_close(want, expect[:1], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

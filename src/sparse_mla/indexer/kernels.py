@@ -92,14 +92,15 @@ def _e4m3_operand(ptrs, mask, FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr):
 
 @triton.jit
 def _head_sum(s, sc, w, hv, BLOCK_N: tl.constexpr, P: tl.constexpr, H_P2: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """``s [BLOCK_N, P * H_P2]`` key-by-row scores, ``sc [BLOCK_N]`` key scales, ``w [P * H_P2]``
-    row weights -> ``[BLOCK_N, P]``: ``Σ_h w[p, h] · relu(s[j, (p, h)] · sc[j])`` (NaN propagates,
-    as in the twin). ``HEAD_PAD`` (H < H_P2): the rows past H (``hv`` false) add nothing (their
-    zero queries times an inf key scale would add NaN)."""
-    t = tl.maximum(s * sc[:, None], 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
+    """``s [BLOCK_N, P * H_P2]`` key-by-row scores of the unscaled keys, ``sc [BLOCK_N]`` key scales,
+    ``w [P * H_P2]`` row weights -> ``[BLOCK_N, P]``: ``sc[j] · Σ_h w[p, h] · relu(s[j, (p, h)])``,
+    the model's order (DESIGN §10; DeepGEMM's): the scale multiplies each key's sum once, so a score
+    costs a relu and a fused multiply-add (NaN propagates, as in the twin). ``HEAD_PAD`` (H < H_P2):
+    the rows past H (``hv`` false) add nothing."""
+    t = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
     if HEAD_PAD:
         t = tl.where(hv[None, :], t, 0.0)
-    return tl.sum(tl.reshape(t, [BLOCK_N, P, H_P2]), axis=2)
+    return tl.sum(tl.reshape(t, [BLOCK_N, P, H_P2]), axis=2) * sc[:, None]
 
 
 @triton.jit

@@ -5,8 +5,10 @@
   (``"ue8m0"``, as DeepSeek-V3.2); the token's ``head_dim`` values ``k / scale`` clamped to ±448
   and rounded to e4m3 (nearest even) are written with the fp32 scale into the block-major cache.
   A key with a NaN or inf value is stored as NaN (bytes 0x7F, scale NaN), so its logits are NaN.
-* :func:`fp8_mqa_logits_reference`: ``logits[i, j] = Σ_h weights[i, h] · relu(q[i, h] · kv[j] ·
-  kv_scale[j])`` for ``ks[i] <= j < ke[i]``, ``-inf`` elsewhere.
+* :func:`fp8_mqa_logits_reference`: ``logits[i, j] = kv_scale[j] · Σ_h weights[i, h] · relu(q[i, h] ·
+  kv[j])`` for ``ks[i] <= j < ke[i]``, ``-inf`` elsewhere: the model's order (DESIGN §10, DeepGEMM's),
+  equal to ``Σ_h weights[i, h] · relu(q[i, h] · kv[j] · kv_scale[j])`` for every scale ``>= 0`` (all
+  that the quantiser writes); for a negative or infinite scale the scale-outside order holds.
 * :func:`fp8_paged_mqa_logits_reference`: the same over the paged cache; query position ``p`` of
   request ``i`` sees keys ``j < context_lens[i]`` with ``j <= context_lens[i] - next_n + p``.
 * :func:`topk_indices_reference`: the ``k`` best positions of each row's valid range.
@@ -83,9 +85,10 @@ def dequantize_indexer_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torc
     return keys, scales.reshape(-1, 4).contiguous().view(torch.float32).reshape(-1)
 
 
-def _weighted_relu(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``Σ_h w[.., h] · relu(s[.., h, j])``: scores ``[rows, H, n]``, weights ``[rows, H]``."""
-    return (torch.relu(scores) * weights.float().unsqueeze(-1)).sum(dim=1)
+def _weighted_relu(scores: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``scale[.., j] · Σ_h w[.., h] · relu(s[.., h, j])``: scores ``[rows, H, n]`` of the unscaled keys,
+    weights ``[rows, H]``, key scales ``[n]`` or ``[rows, n]``."""
+    return (torch.relu(scores) * weights.float().unsqueeze(-1)).sum(dim=1) * scales
 
 
 def fp8_mqa_logits_reference(
@@ -97,8 +100,8 @@ def fp8_mqa_logits_reference(
     cu_seqlen_ke: torch.Tensor,
 ) -> torch.Tensor:
     """``[s_q, s_kv]`` fp32 logits (``-inf`` outside ``[ks[i], ke[i])``)."""
-    s = torch.einsum("qhd,kd->qhk", q.float(), kv.float()) * kv_scale.float()
-    logits = _weighted_relu(s, weights)
+    s = torch.einsum("qhd,kd->qhk", q.float(), kv.float())
+    logits = _weighted_relu(s, weights, kv_scale.float())
     j = torch.arange(kv.shape[0], device=q.device)
     inside = (j >= cu_seqlen_ks.long().unsqueeze(1)) & (j < cu_seqlen_ke.long().unsqueeze(1))
     return torch.where(inside, logits, torch.full_like(logits, float("-inf")))
@@ -122,9 +125,9 @@ def fp8_paged_mqa_logits_reference(
     blk = block_table.long()[:, page]  # [b, max_context_len]
     ok_blk = (blk >= 0) & (blk < nb) & (j // bs < block_table.shape[1])
     slot = torch.where(ok_blk, blk * bs + j % bs, torch.zeros_like(blk))
-    k = keys[slot] * scales[slot].unsqueeze(-1)  # [b, L, D]
-    s = torch.einsum("bphd,bjd->bphj", q.float(), k)
-    logits = _weighted_relu(s.reshape(b * next_n, h, -1), weights).view(b, next_n, -1)
+    s = torch.einsum("bphd,bjd->bphj", q.float(), keys[slot])  # keys [b, L, D]
+    sc = scales[slot].repeat_interleave(next_n, dim=0)  # [b * next_n, L]
+    logits = _weighted_relu(s.reshape(b * next_n, h, -1), weights, sc).view(b, next_n, -1)
     ctx = context_lens.long().view(b, 1, 1)
     p = torch.arange(next_n, device=q.device).view(1, next_n, 1)
     visible = (j.view(1, 1, -1) < ctx) & (j.view(1, 1, -1) <= ctx - next_n + p) & ok_blk.unsqueeze(1)
