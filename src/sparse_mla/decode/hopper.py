@@ -588,11 +588,21 @@ def _consumer_qk(
                     s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute([1, 0]), s)
                 bias = mask_smem.index(stage).load(SCOL)
                 # a select, not an add: an invalid token's score is q·0, NaN when q holds an inf
-                s = gl.where(gl.expand_dims(bias, 0) == 0.0, s * scale_log2, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                if KV_BF16:
+                    # the bf16-row prefill: raw scores, the scale (> 0, validated) applied to the row
+                    # max and inside the exponent's FMA (one instruction per score fewer; measured on
+                    # the H200: 1.6-2.4 % faster there, 0-1.6 % slower on the FP8 decode's rows)
+                    s = gl.where(gl.expand_dims(bias, 0) == 0.0, s, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+                else:
+                    s = gl.where(gl.expand_dims(bias, 0) == 0.0, s * scale_log2, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.max(s, axis=1))
                 m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = gl.exp2(m_i - m_safe)
-                p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+                if KV_BF16:
+                    p = gl.exp2(gl.fma(s, scale_log2, -gl.expand_dims(m_safe, 1)))
+                else:
+                    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
                 l_i = l_i * alpha + gl.sum(p, axis=1)
                 m_i = m_new
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, OROW), 1)
