@@ -5,15 +5,15 @@
 #
 #   scripts/try_patches.sh docs/experiments/gluon_narrow_fp16.patch docs/experiments/gluon_narrow_async_consumer.patch
 #
-# TESTS (default: the Hopper kernel's and the small-head tests), BENCH (default: the small-head
+# TESTS (default, when unset: the Hopper kernel's and the small-head tests), BENCH (default when unset: the small-head
 # benchmark set, --quick), BENCH_MODULE (default benchmarks.decode; e.g. benchmarks.prefill),
 # JOBS (pytest-xdist workers when installed; default 6). SKIP_BASE=1 skips the unpatched run.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 N=""; python3 -c "import xdist" 2>/dev/null && N="-n ${JOBS:-6}"
-TESTS=${TESTS:-"tests/test_gluon.py tests/test_small_heads.py"}
-BENCH=${BENCH:-"--set small_heads --quick"}
+TESTS=${TESTS-"tests/test_gluon.py tests/test_small_heads.py"}
+BENCH=${BENCH-"--set small_heads --quick"}
 BENCH_MODULE=${BENCH_MODULE:-benchmarks.decode}
 runs=("$@"); [ "${SKIP_BASE:-0}" = 1 ] || runs=(none "$@")
 # patch_tree FILE [-R]: git apply where the tree is a git checkout, else patch(1)
