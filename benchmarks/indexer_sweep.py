@@ -114,13 +114,17 @@ def sweep_topk(quick: bool, rows: list) -> None:
     ref = flash_mla.topk_indices(x, k)
     out = torch.empty(n_rows, k, dtype=torch.int32, device="cuda")
     # the single-kernel select (compact 0) by digit width, block and warps
-    configs = [
-        dict(bits=bits, block=block, num_warps=w, compact=0)
+    # the register path (rows of up to `bisect` entries: the k-th key bit by bit), by warps
+    configs = [dict(bisect=32768, bisect_warps=w) for w in (8, 16, 32)]
+    configs += [
+        dict(bits=bits, block=block, num_warps=w, compact=0, bisect=0)
         for bits, (block, w) in itertools.product((4, 8), ((2048, 4), (2048, 8)))
     ]
     # the default: histograms and split over (rows, segments) programs, then the candidate list
     configs += [
-        dict(bits=8, block=block, num_warps=w, compact=2048, programs_per_sm=pps, hist_bits=hb, split_block=sb)
+        dict(
+            bits=8, block=block, num_warps=w, compact=2048, programs_per_sm=pps, hist_bits=hb, split_block=sb, bisect=0
+        )
         for block, w, pps, hb, sb in [
             (2048, 4, 8, 8, 2048),
             (2048, 4, 4, 8, 2048),
@@ -129,12 +133,12 @@ def sweep_topk(quick: bool, rows: list) -> None:
         ]
     ]
     configs += [
-        dict(bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=pps, final_warps=fw)
+        dict(bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=pps, final_warps=fw, bisect=0)
         for pps, fw in [(8, 8), (4, 8), (8, 2)]
     ]  # fmt: skip
     # where the single kernel's time goes (results not checked): without the final sort; the radix
     # passes alone
-    configs += [dict(bits=8, block=2048, num_warps=4, compact=0, profile=p) for p in (1, 2)]
+    configs += [dict(bits=8, block=2048, num_warps=4, compact=0, profile=p, bisect=0) for p in (1, 2)]
     for cfg, kk in itertools.product(configs, (k,)):
 
         def check(cfg=cfg, kk=kk):

@@ -103,6 +103,9 @@ def cases(arch: int):
     single = {**topk, "COMPACT": False, "S_P2": 1}
     yield "topk k=2048 single kernel", K._topk_kernel, single, tc["num_warps"]
     yield "topk k=2048 single kernel, 4-bit digits", K._topk_kernel, {**single, "BITS": 4}, tc["num_warps"]
+    bis = dict(N_P2=tc["bisect"], BLOCK=tc["block"], K_P2=2048, SLOTS=False, SORTED=False, FOR_LOOP=True)
+    yield "topk k=2048 bisect, unsorted", K._topk_bisect_kernel, bis, tc["bisect_warps"]
+    yield "topk k=2048 bisect, sorted", K._topk_bisect_kernel, {**bis, "SORTED": True}, tc["bisect_warps"]
 
 
 def main() -> int:
@@ -118,7 +121,7 @@ def main() -> int:
     for name, kern, consts, warps in cases(a.arch):
         tag = re.sub(r"[^a-z0-9]+", "_", name.lower())
         try:
-            ptrs = {"out_ptr": "*i32"} if kern is K._topk_kernel else None
+            ptrs = {"out_ptr": "*i32"} if kern in (K._topk_kernel, K._topk_bisect_kernel) else None
             reg = K.PAGED_CONFIG["tma_maxnreg"] if kern is K._paged_tma_logits_kernel else None
             k = compile_one(kern, consts, warps, a.arch, ptrs, reg)
         except Exception as e:  # noqa: BLE001 (report and go on)

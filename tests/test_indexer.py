@@ -459,15 +459,22 @@ def test_topk_random_rows_with_ties_match_twin(n, k, dtype):
 @pytest.mark.parametrize(
     "n, k, cfg",
     [
-        (5000, 300, {"bits": 4, "block": 1024, "compact": 0}),
-        (3000, 64, {"bits": 4, "block": 256, "compact": 0}),
-        (700, 40, {"bits": 2, "block": 512, "compact": 0}),
-        (3000, 100, {"compact": 0, "block": 512}),
-        (3000, 100, {"compact": 64, "block": 512}),
-        (3000, 100, {"compact": 4096, "block": 256, "programs_per_sm": 64}),
-        (5000, 300, {"compact": 2048, "block": 256, "programs_per_sm": 1}),
-        (5000, 300, {"compact": 2048, "block": 512, "programs_per_sm": 16, "hist_bits": 4, "split_block": 256}),
-        (3000, 100, {"compact": 64, "block": 256, "programs_per_sm": 16, "hist_bits": 4}),
+        (5000, 300, {"bits": 4, "block": 1024, "compact": 0, "bisect": 0}),
+        (3000, 64, {"bits": 4, "block": 256, "compact": 0, "bisect": 0}),
+        (700, 40, {"bits": 2, "block": 512, "compact": 0, "bisect": 0}),
+        (3000, 100, {"compact": 0, "block": 512, "bisect": 0}),
+        (3000, 100, {"compact": 64, "block": 512, "bisect": 0}),
+        (3000, 100, {"compact": 4096, "block": 256, "programs_per_sm": 64, "bisect": 0}),
+        (5000, 300, {"compact": 2048, "block": 256, "programs_per_sm": 1, "bisect": 0}),
+        (
+            5000,
+            300,
+            {"compact": 2048, "block": 512, "programs_per_sm": 16, "hist_bits": 4, "split_block": 256, "bisect": 0},
+        ),
+        (3000, 100, {"compact": 64, "block": 256, "programs_per_sm": 16, "hist_bits": 4, "bisect": 0}),
+        (5000, 300, {"bisect": 8192}),
+        (3000, 100, {"bisect": 4096, "block": 256, "bisect_warps": 4}),
+        (700, 700, {"bisect": 1024, "block": 512}),
     ],
 )
 def test_topk_kernel_configs_match_twin(n, k, cfg):
@@ -475,7 +482,8 @@ def test_topk_kernel_configs_match_twin(n, k, cfg):
     # passes), steps of BLOCK entries that straddle lo and hi, the single-kernel select (compact 0)
     # and the default candidate list (compact: the k-th key's 16-bit bucket gathered when it fits in
     # the capacity, the row passes when not: the tied rows hold buckets of every size), its rows
-    # split in 1 to 16 segments (programs_per_sm; the interpreter counts one SM)
+    # split in 1 to 16 segments (programs_per_sm; the interpreter counts one SM); bisect 0 keeps
+    # them off the register path that rows of up to `bisect` entries take (its own rows last)
     from sparse_mla.indexer.kernels import launch_topk
 
     x, lo, hi = _tied_rows(n, k)
@@ -491,9 +499,10 @@ def test_topk_kernel_configs_match_twin(n, k, cfg):
 @pytest.mark.parametrize(
     "n, k, cfg",
     [
-        (3000, 100, {"compact": 0, "block": 512}),
-        (3000, 100, {"compact": 64, "block": 512}),
-        (5000, 300, {"compact": 2048, "block": 256, "programs_per_sm": 1}),
+        (3000, 100, {"compact": 0, "block": 512, "bisect": 0}),
+        (3000, 100, {"compact": 64, "block": 512, "bisect": 0}),
+        (5000, 300, {"compact": 2048, "block": 256, "programs_per_sm": 1, "bisect": 0}),
+        (5000, 300, {"bisect": 8192, "block": 1024}),
     ],
 )
 def test_topk_unsorted_is_the_same_set(n, k, cfg):
@@ -817,7 +826,7 @@ def test_nan_query_bytes_give_nan_logits_on_the_default_path():
 
 @needs_kernels
 def test_the_key_scale_multiplies_the_weighted_relu_sum():
-    # the model's order (DESIGN §10, DeepGEMM's): scale[j] · Σ_h w · relu(q · k[j]); for a negative
+    # the model's order (DeepSeek-V3.2's formula, DeepGEMM's): scale[j] · Σ_h w · relu(q · k[j]); for a negative
     # scale (never written by the quantiser) it differs from Σ_h w · relu(q · k · scale), and the
     # kernels follow the twin
     g = torch.Generator().manual_seed(7)
@@ -868,3 +877,42 @@ def test_an_inf_key_scale_with_padded_heads_matches_the_twin(h):
     want = fp8_paged_mqa_logits_reference(qp, cache, w[:1], ctx, bt, 4)
     torch.testing.assert_close(want, expect[:1], rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_block_table_views_the_kernels_cannot_read_are_refused():
+    # a table whose elements run past its storage (read out of bounds before), and a lazily negated
+    # view (the kernels read the raw bits: silently other slots before)
+    bt = torch.arange(10, dtype=torch.int32).view(2, 5)
+    bt.untyped_storage().resize_(8)
+    with pytest.raises(ValueError, match="block_table: its elements run"):
+        flash_mla.topk_kvcache_indices(torch.randn(4, 80), 80, bt, 16, 2)
+    neg = torch._neg_view(-torch.arange(10, dtype=torch.int32).view(2, 5))
+    with pytest.raises(ValueError, match="block_table: a lazily negated"):
+        flash_mla.topk_kvcache_indices(torch.arange(80.0).repeat(4, 1), 2, neg, 16, 2)
+    got = flash_mla.topk_kvcache_indices(torch.arange(80.0).repeat(4, 1), 2, neg.resolve_neg(), 16, 2)
+    assert got[1, 0].tolist() == [159, 158]
+
+
+@pytest.mark.parametrize(
+    "cache, err",
+    [
+        (torch.zeros(2, 16, 1, 36), TypeError),
+        (torch.zeros(2, 16, 2, 36, dtype=torch.uint8), ValueError),
+        (torch.zeros(2, 16, 1, 9, dtype=torch.uint8), ValueError),
+        (torch.zeros(2, 16, 36, dtype=torch.uint8), ValueError),
+        ("cache", TypeError),
+    ],
+)
+def test_dequantize_indexer_cache_checks_its_argument(cache, err):
+    with pytest.raises(err, match="kv_cache"):
+        flash_mla.dequantize_indexer_cache(cache)
+
+
+def test_dequantize_indexer_cache_returns_the_stored_keys():
+    k = torch.randn(5, 32)
+    cache = torch.zeros(2, 4, 1, 36, dtype=torch.uint8)
+    flash_mla.indexer_k_quant_and_cache(k, cache, torch.tensor([0, 3, 4, 6, 7]), scale_fmt=None)
+    keys, scales = flash_mla.dequantize_indexer_cache(cache)
+    assert keys.shape == (8, 32) and scales.shape == (8,)
+    got = keys[[0, 3, 4, 6, 7]] * scales[[0, 3, 4, 6, 7]].unsqueeze(1)
+    torch.testing.assert_close(got, k, rtol=0.07, atol=1e-3)  # e4m3: 3 mantissa bits

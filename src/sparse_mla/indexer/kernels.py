@@ -94,7 +94,7 @@ def _e4m3_operand(ptrs, mask, FP8_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr):
 def _head_sum(s, sc, w, hv, BLOCK_N: tl.constexpr, P: tl.constexpr, H_P2: tl.constexpr, HEAD_PAD: tl.constexpr):
     """``s [BLOCK_N, P * H_P2]`` key-by-row scores of the unscaled keys, ``sc [BLOCK_N]`` key scales,
     ``w [P * H_P2]`` row weights -> ``[BLOCK_N, P]``: ``sc[j] · Σ_h w[p, h] · relu(s[j, (p, h)])``,
-    the model's order (DESIGN §10; DeepGEMM's): the scale multiplies each key's sum once, so a score
+    the model's order (DeepSeek-V3.2's formula; DeepGEMM's): the scale multiplies each key's sum once, so a score
     costs a relu and a fused multiply-add (NaN propagates, as in the twin). ``HEAD_PAD`` (H < H_P2):
     the rows past H (``hv`` false) add nothing."""
     t = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
@@ -819,10 +819,22 @@ def _topk_kernel(
                 _select_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, scr, BLOCK, FOR_LOOP)
             else:  # (profiling: the radix passes alone; the result written so they are kept)
                 tl.store(scr, prefix.to(tl.int64) + rem)
+    _emit_topk(
+        scr, r, kk, k, out_ptr, stride_or, bt_ptr, stride_bt, n_log, pbs, next_n, K_P2, SLOTS, SORTED and PROFILE == 0
+    )
+
+
+@triton.jit
+def _emit_topk(
+    scr, r, kk, k, out_ptr, stride_or, bt_ptr, stride_bt, n_log, pbs, next_n,
+    K_P2: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr,
+):  # fmt: skip
+    """Row ``r``'s ``kk`` selected rank keys (``scr[:kk]``) written out: in rank order (``SORTED``)
+    or as selected, as positions or (``SLOTS``) cache slots, ``-1`` after them up to ``K_P2``."""
     tl.debug_barrier()  # every thread's scratch stores before any thread's loads
     rank = tl.arange(0, K_P2)
     top = tl.load(scr + rank, mask=rank < kk, other=-9223372036854775808)
-    if PROFILE == 0 and SORTED:
+    if SORTED:
         top = tl.sort(top, descending=True)
     low = top - ((top >> 32) << 32)  # 2^32 - 1 - position
     res = tl.where(rank < kk, 4294967295 - low, -1)
@@ -831,7 +843,38 @@ def _topk_kernel(
     tl.store(out_ptr + r.to(tl.int64) * stride_or + rank, res.to(tl.int32), mask=rank < k)
 
 
-#: launch parameters of the top-k: ``bits`` per radix pass of the per-row kernel (a power of two up to
+@triton.jit
+def _topk_bisect_kernel(
+    x_ptr, stride_xr, lo_ptr, hi_ptr, scr_ptr, stride_sr, out_ptr, stride_or, n, k,
+    bt_ptr, stride_bt, n_log, pbs, next_n,
+    N_P2: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr,
+    FOR_LOOP: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(rows,)``, rows of at most ``N_P2`` entries: the row's keys read once into registers,
+    the k-th best key found bit by bit from the top (32 counts of the keys at or above a candidate,
+    each a compare and an add per entry: no histogram), then the select pass (the row again, from
+    L2) and the output as :func:`_topk_kernel`."""
+    r = tl.program_id(0)
+    row_ptr = x_ptr + r.to(tl.int64) * stride_xr
+    lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
+    scr = scr_ptr + r.to(tl.int64) * stride_sr
+    if kk > 0:
+        _pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2)
+        ukey = tl.where(valid, ukey, 0)  # below every candidate's key (NaN's is 2^23 - 2)
+        kth = tl.zeros([], tl.uint32)
+        for b in tl.static_range(32):  # the largest key with at least kk keys at or above it
+            cand = kth | tl.full([], 1 << (31 - b), tl.uint32)
+            at_or_above = tl.sum((ukey >= cand).to(tl.int32), axis=0)
+            kth = tl.where(at_or_above >= kk, cand, kth)
+        n_gt = tl.sum((ukey > kth).to(tl.int32), axis=0)
+        _select_pass(row_ptr, lo, hi, (lo // BLOCK) * BLOCK, kth, kk - n_gt, 0, scr, BLOCK, FOR_LOOP)
+    _emit_topk(scr, r, kk, k, out_ptr, stride_or, bt_ptr, stride_bt, n_log, pbs, next_n, K_P2, SLOTS, SORTED)
+
+
+#: launch parameters of the top-k: ``bisect``: rows of at most this many entries (rounded up to a
+#: power of two) take :func:`_topk_bisect_kernel` (the row in one program's registers; 0: never), with
+#: up to ``bisect_warps`` warps (fewer for short rows: one per 2048 entries, at least 4); longer rows
+#: take the radix select: ``bits`` per radix pass of the per-row kernel (a power of two up to
 #: 16), ``block`` row entries a step, ``num_warps``; ``compact`` (8-bit digits): the candidate list's
 #: capacity per row (0: one kernel does every pass over the row); ``programs_per_sm``: the row split
 #: of the histogram and split kernels (about this many programs per SM, at most 16 segments a row);
@@ -842,8 +885,9 @@ def _topk_kernel(
 #: time, session 7): this default 223 us; 8 programs per SM 226; 4-warp final kernel 231-234;
 #: 4-bit levels 246; one kernel (compact 0) 289 (radix passes 198, select 52, sort 37).
 TOPK_CONFIG = dict(
-    bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=4, hist_bits=8, split_block=2048, final_warps=8
-)
+    bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=4, hist_bits=8, split_block=2048, final_warps=8,
+    bisect=32768, bisect_warps=16,
+)  # fmt: skip
 _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 
 
@@ -858,7 +902,7 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     require_runnable(
         _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
         _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
-        _topk_hist_kernel, _topk_split_kernel,
+        _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel,
     )  # fmt: skip
     cfg = {**TOPK_CONFIG, **(config or {})}
     if cfg["bits"] not in (1, 2, 4, 8, 16):
@@ -873,6 +917,19 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     rows, n = logits.shape
     k_p2 = triton.next_power_of_2(kk)
     block = min(cfg["block"], max(triton.next_power_of_2(n), 256))
+    slots = table is not None
+    bt = table if slots else lo
+    for_loop = not interpreting()
+    n_p2 = triton.next_power_of_2(n)
+    if n_p2 <= int(cfg["bisect"]):  # the row fits in one program's registers
+        scratch = torch.empty((rows, k_p2), dtype=torch.int64, device=logits.device)
+        _topk_bisect_kernel[(rows,)](
+            logits, logits.stride(0), lo, hi, scratch, scratch.stride(0), out, out.stride(0), n, k,
+            bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
+            N_P2=n_p2, BLOCK=block, K_P2=k_p2, SLOTS=slots, SORTED=bool(ordered), FOR_LOOP=for_loop,
+            num_warps=min(int(cfg["bisect_warps"]), max(4, n_p2 // 2048)),
+        )  # fmt: skip
+        return
     hb = cfg["hist_bits"]
     per, n_seg = 1, 1
     if cap:  # segments of `per` steps: about programs_per_sm programs per SM, at most _MAX_SEGMENTS a row
@@ -885,9 +942,6 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     # one allocation: scratch [rows, k_p2] int64, candidate lists [rows, cap] int64, histograms int32
     ws = torch.empty(rows * (k_p2 + cap) + n_hist // 2, dtype=torch.int64, device=logits.device)
     scratch = ws[: rows * k_p2].view(rows, k_p2)
-    slots = table is not None
-    bt = table if slots else lo
-    for_loop = not interpreting()
     cand, hist, s_p2 = scratch, scratch, 1
     if cap:  # the histogram levels and the split, each over (rows, segments) programs
         s_p2 = triton.next_power_of_2(n_seg)
