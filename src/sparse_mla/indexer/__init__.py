@@ -1,4 +1,4 @@
-"""The DSA lightning indexer (DESIGN §10; DeepGEMM's Python API as the convention): the FP8 key
+"""The DSA lightning indexer (DeepSeek-V3.2; DeepGEMM's Python API as the convention): the FP8 key
 cache and its fused quantise-and-store (:mod:`.cache`), the multi-query logits over a contiguous
 key buffer (prefill) or the paged cache (decode) (:mod:`.logits`), and the top-k that turns logits
 into the decode's cache indices (:mod:`.topk`). Every kernel has its PyTorch twin in

@@ -1,4 +1,4 @@
-"""The indexer key cache and its fused quantise-and-store (DESIGN §10; DeepGEMM's / vLLM's layout).
+"""The indexer key cache and its fused quantise-and-store (DeepSeek-V3.2's lightning indexer; DeepGEMM's / vLLM's layout).
 
 Cache: ``[num_blocks, block_size, 1, head_dim + 4]`` uint8, block-major: a block's ``block_size x
 head_dim`` e4m3 bytes (token ``o`` at byte ``o * head_dim``), then its ``block_size`` fp32 scales
@@ -22,7 +22,8 @@ import torch
 
 from ..runtime import on_tensor_device, use_triton
 from .checks import check_index_cache, check_tensor_arg
-from .reference import dequantize_indexer_cache, indexer_k_quant_and_cache_reference
+from .reference import dequantize_indexer_cache as _dequantize
+from .reference import indexer_k_quant_and_cache_reference
 
 __all__ = ["indexer_k_quant_and_cache", "dequantize_indexer_cache", "SCALE_FMTS"]
 
@@ -80,3 +81,20 @@ def indexer_k_quant_and_cache(
     from .kernels import launch_quant_store
 
     launch_quant_store(k, kv_cache, slot_mapping, d, scale_fmt == "ue8m0")
+
+
+def dequantize_indexer_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and scales stored in an indexer key cache (any device; PyTorch operations).
+
+    Args:
+        kv_cache: ``[num_blocks, block_size, 1, head_dim + 4]`` uint8, block-major (module doc).
+
+    Returns:
+        ``(keys [num_blocks * block_size, head_dim] fp32 e4m3 values, scales [num_blocks *
+        block_size] fp32)``: slot ``s``'s key is ``keys[s] * scales[s]``.
+
+    Raises:
+        TypeError / ValueError: ``kv_cache`` of the wrong type, dtype, shape or layout.
+    """
+    check_index_cache(kv_cache)
+    return _dequantize(kv_cache)

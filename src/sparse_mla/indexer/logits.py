@@ -1,7 +1,7 @@
-"""Indexer logits (DESIGN §10; DeepGEMM's ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits`` calls):
+"""Indexer logits (DeepSeek-V3.2's lightning indexer; DeepGEMM's ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits`` calls):
 ``logits[i, j] = k_scale[j] · Σ_h weights[i, h] · relu(q[i, h] · k[j])``, fp32, ``-inf`` where key
-``j`` is not visible to query ``i`` (the model's order, DESIGN §10 and DeepGEMM's: the same as
-``Σ_h weights[i, h] · relu(q[i, h] · k[j] · k_scale[j])`` for every scale ``>= 0``, which is all
+``j`` is not visible to query ``i`` (the model's order, DeepSeek-V3.2's formula and DeepGEMM's: the same as
+``Σ_h weights[i, h] · relu(q[i, h] · k[j] · k_scale[j])`` for every finite scale ``>= 0``, which is all
 that :func:`~sparse_mla.indexer.cache.indexer_k_quant_and_cache` writes). Kernels: :mod:`.kernels` (Triton, imported on first use);
 twins: :mod:`.reference`. Both functions always write every entry (``clean_logits`` is accepted
 for DeepGEMM's signature: the entries outside the visible range are ``-inf`` either way).

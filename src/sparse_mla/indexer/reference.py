@@ -1,4 +1,4 @@
-"""PyTorch twins of the indexer kernels (the test oracles; DESIGN §10).
+"""PyTorch twins of the indexer kernels (the test oracles; the contract in sparse_mla.indexer).
 
 * :func:`indexer_k_quant_and_cache_reference`: per token, ``amax = max(|k|, 1e-4)``; ``scale =
   amax / 448`` (``scale_fmt=None``) or its power-of-two ceiling ``2^ceil(log2(amax / 448))``
@@ -6,8 +6,8 @@
   and rounded to e4m3 (nearest even) are written with the fp32 scale into the block-major cache.
   A key with a NaN or inf value is stored as NaN (bytes 0x7F, scale NaN), so its logits are NaN.
 * :func:`fp8_mqa_logits_reference`: ``logits[i, j] = kv_scale[j] · Σ_h weights[i, h] · relu(q[i, h] ·
-  kv[j])`` for ``ks[i] <= j < ke[i]``, ``-inf`` elsewhere: the model's order (DESIGN §10, DeepGEMM's),
-  equal to ``Σ_h weights[i, h] · relu(q[i, h] · kv[j] · kv_scale[j])`` for every scale ``>= 0`` (all
+  kv[j])`` for ``ks[i] <= j < ke[i]``, ``-inf`` elsewhere: the model's order (DeepSeek-V3.2's formula, DeepGEMM's),
+  equal to ``Σ_h weights[i, h] · relu(q[i, h] · kv[j] · kv_scale[j])`` for every finite scale ``>= 0`` (all
   that the quantiser writes); for a negative or infinite scale the scale-outside order holds.
 * :func:`fp8_paged_mqa_logits_reference`: the same over the paged cache; query position ``p`` of
   request ``i`` sees keys ``j < context_lens[i]`` with ``j <= context_lens[i] - next_n + p``.

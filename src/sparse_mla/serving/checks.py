@@ -15,6 +15,7 @@ from ..formats import (
     get_layout,
     layout_of_cache,
 )
+from ..runtime import check_plain_storage
 
 __all__ = ["check_store_args", "check_abs_index_args"]
 
@@ -95,3 +96,5 @@ def check_block_table(block_table: torch.Tensor, b: int, device: torch.device, p
         raise ValueError(f"block_table: expected shape [b={b}, max_blocks_per_seq], got {list(block_table.shape)}")
     if block_table.device != device:
         raise ValueError(f"block_table: must be on the same device as the indices ({device})")
+    if not torch.compiler.is_compiling():  # (traced, the table is read by torch operations)
+        check_plain_storage(block_table, "block_table")  # the kernels read its raw bits, inside its storage
