@@ -255,3 +255,60 @@ def test_forged_schedule_is_rejected_or_bounded(case):
     table = ScheduleTable(md.shape[0], md, ns, mb, [], 0, nb, ns, rows - 1)
     out, lse = run_decode(q, resolve_backend(q), table)
     assert out.shape == (2, 1, 16, 512) and lse.shape == (2, 16, 1)
+
+
+def test_compiled_decode_checks_what_it_can_trace():
+    """Under torch.compile the decode checks, while tracing, what an eager call checks and the
+    graph fixes: the scheduler object's configuration (a reused object filled for another shape
+    ran that other schedule before), the Python scalars, and out/lse's shape, dtype and device
+    (they were broadcast-filled or cast before)."""
+    p = to_dev(make_problem(b=2, h_q=16, topk=64, seed=31))
+    q, kc, idx = p.q, p.k_cache, p.indices
+    meta, _ = flash_mla.get_mla_metadata(num_sms=4)
+    want_o, want_l = flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
+
+    def call(q, kc, ix, **kw):
+        return flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=ix, **kw)
+
+    def compiled(fn, *args):
+        torch._dynamo.reset()
+        return torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+
+    o, lse_c = compiled(call, q, kc, idx)  # the configuration it was filled for
+    assert torch.equal(o, want_o) and torch.equal(lse_c, want_l)
+    longer = torch.cat([idx, idx[..., :36]], dim=-1)  # topk 64 -> 100
+    with pytest.raises(Exception, match="filled for another configuration .*topk 64 -> 100"):
+        compiled(call, q, kc, longer)
+    with pytest.raises(Exception, match="has_topk_length False -> True"):
+        compiled(
+            lambda q, kc, ix, n: call(q, kc, ix, topk_length=n),
+            q,
+            kc,
+            idx,
+            torch.full((2,), 64, dtype=torch.int32, device=DEV),
+        )
+    with pytest.raises(Exception, match="softmax_scale: expected a float or None, got bool"):
+        compiled(lambda q, kc, ix: call(q, kc, ix, softmax_scale=True), q, kc, idx)
+    with pytest.raises(Exception, match="head_dim_v: expected 512"):
+        compiled(
+            lambda q, kc, ix: flash_mla.flash_mla_with_kvcache(
+                q, kc, None, None, 512.0, meta, is_fp8_kvcache=True, indices=ix
+            ),
+            q,
+            kc,
+            idx,
+        )
+    bad_out = torch.empty(2, 3, 16, 512, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(Exception, match=r"out: expected shape \[2, 1, 16, 512\]"):
+        compiled(lambda q, kc, ix, o: call(q, kc, ix, out=o), q, kc, idx, bad_out)
+    with pytest.raises(Exception, match="lse: expected a torch.float32 tensor"):
+        compiled(
+            lambda q, kc, ix, lse_buf: call(q, kc, ix, lse=lse_buf),
+            q,
+            kc,
+            idx,
+            torch.empty(2, 16, 1, dtype=torch.float64, device=DEV),
+        )
+    out = torch.empty(2, 1, 16, 512, dtype=torch.bfloat16, device=DEV)
+    o, _ = compiled(lambda q, kc, ix, o: call(q, kc, ix, out=o), q, kc, idx, out)
+    assert torch.equal(out, want_o)

@@ -473,3 +473,31 @@ def test_a_schedule_first_built_in_a_graph_is_not_reused_eagerly():
     ro, rm, rl = sparse_prefill_reference(q, kv, idx, 0.05)
     check_prefill_close(*eager, ro, rm, rl)
     check_prefill_close(*got, ro, rm, rl)
+
+
+def test_bf16_kv_the_kernels_cannot_read_as_stored_is_refused():
+    # a lazily negated view (the kernels read the raw bits: the un-negated rows before) and a view
+    # whose storage was shrunk under it (read out of bounds before)
+    q, kv, idx, _ = make_case(2, 16, 8, seed=17)
+    with pytest.raises(ValueError, match="kv: a lazily negated"):
+        flash_mla.flash_mla_sparse_fwd(q, torch._neg_view(kv), idx, 0.1)
+    shrunk = kv.clone()
+    shrunk.untyped_storage().resize_(shrunk.untyped_storage().nbytes() // 2)
+    with pytest.raises(ValueError, match="kv: its elements run"):
+        flash_mla.flash_mla_sparse_fwd(q, shrunk, idx, 0.1)
+
+
+@pytest.mark.parametrize(
+    "value, ok",
+    [(2.0**-149, True), (2.0**-150, False), (3.4028234663852886e38, True), (3.4028235677973366e38, False)],
+)
+def test_scales_are_checked_at_the_float32_edges(value, ok):
+    # the kernels take sm_scale as float32: 2^-150 rounds to 0 and the maximum plus half an ulp to inf
+    from sparse_mla.problem import check_scale
+
+    if ok:
+        assert check_scale(value, "sm_scale") == value
+        assert 0 < float(torch.tensor(value, dtype=torch.float32)) < float("inf")
+    else:
+        with pytest.raises(ValueError, match="sm_scale: expected a finite positive float"):
+            check_scale(value, "sm_scale")

@@ -25,6 +25,7 @@ __all__ = [
     "output_tensors",
     "finish_outputs",
     "into_buffers",
+    "check_traced_decode_args",
     "MAX_H_Q",
 ]
 
@@ -135,10 +136,52 @@ def check_scale(value: Any, name: str, expected: str = "a float") -> float:
         v = float(value)
     except OverflowError:  # an int or Fraction beyond float64
         raise ValueError(f"{name}: expected a finite positive float (as float32), got {value!r}") from None
-    # the kernels take it as float32: it must stay finite and non-zero there too
-    if not (0 < v < float("inf")) or not (0 < float(torch.tensor(v, dtype=torch.float32)) < float("inf")):
+    # the kernels take it as float32: it must stay finite and non-zero there too (rounded to
+    # nearest even, 2^-150 becomes 0 and the float32 maximum plus half an ulp becomes inf; plain
+    # Python, so that torch.compile traces it)
+    if not (_F32_ZERO_EDGE < v < _F32_INF_EDGE):
         raise ValueError(f"{name}: expected a finite positive float (as float32), got {value!r}")
     return v
+
+
+_F32_ZERO_EDGE = 2.0**-150
+_F32_INF_EDGE = (2.0 - 2.0**-24) * 2.0**127
+
+
+def check_traced_decode_args(
+    q: Any, indices: Any, head_dim_v: Any, softmax_scale: Any, is_fp8_kvcache: Any, causal: Any, out: Any, lse: Any
+) -> float:
+    """The decode's checks that ``torch.compile`` can trace (the rest run in the operator, on the
+    real tensors): ``q``'s dtype and shape, the Python scalars (fixed in the graph), and the
+    shape, dtype and device of the caller's ``out``/``lse`` (written by a copy after the operator,
+    so their overlap with the inputs is not checked here); returns ``sm_scale``."""
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16:
+        raise TypeError("q: expected a bf16 tensor [b, s_q, h_q, d_qk]")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected 4 dims [b, s_q, h_q, d_qk], got shape {list(q.shape)}")
+    b, s_q, h_q, d_qk = q.shape
+    if d_qk not in (576, 512):
+        raise ValueError(f"q: head dim d_qk must be 576 (V3.2 layout) or 512 (MODEL1 layout), got {d_qk}")
+    if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32:
+        raise TypeError("indices: expected an int32 tensor [b, s_q, topk]")
+    if indices.dim() != 3:
+        raise ValueError(f"indices: expected 3 dims [b, s_q, topk], got shape {list(indices.shape)}")
+    lay = get_layout(d_qk)
+    _check_flags(lay, head_dim_v, is_fp8_kvcache, causal)
+    sm_scale = _sm_scale(softmax_scale, d_qk)
+    for buf, name, dtype, shape in (
+        (out, "out", torch.bfloat16, (b, s_q, h_q, lay.d_v)),
+        (lse, "lse", torch.float32, (b, h_q, s_q)),
+    ):
+        if buf is None:
+            continue
+        if not isinstance(buf, torch.Tensor) or buf.dtype != dtype:
+            raise TypeError(f"{name}: expected a {dtype} tensor")
+        if tuple(buf.shape) != shape:
+            raise ValueError(f"{name}: expected shape {list(shape)}, got {list(buf.shape)}")
+        if buf.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on {q.device} (where q is), got {buf.device}")
+    return sm_scale
 
 
 def _sm_scale(softmax_scale: Any, d_qk: int) -> float:

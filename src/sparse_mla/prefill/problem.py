@@ -11,6 +11,7 @@ import torch
 
 from ..formats import KVCacheLayout, get_layout
 from ..problem import MAX_H_Q, _check_cache, _check_vector, check_scale, check_tensor
+from ..runtime import check_plain_storage
 
 __all__ = ["PrefillProblem", "validate_sparse_prefill", "check_prefill_scalars", "FP8_CACHE_DTYPES"]
 
@@ -97,6 +98,7 @@ def _check_kv(kv: Any, lay: KVCacheLayout, dev: torch.device) -> bool:
         raise ValueError(f"kv: expected a tensor on {dev} (where q is), got {kv.device}")
     if kv.stride(-1) != 1:
         raise ValueError("kv: the last dimension must be contiguous (stride 1)")
+    check_plain_storage(kv, "kv")  # the kernels read its raw bits, inside its storage
     return False
 
 

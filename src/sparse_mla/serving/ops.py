@@ -40,6 +40,7 @@ from ..prefill.run import run_prefill
 from ..problem import (
     DecodeProblem,
     check_outputs_apart,
+    check_traced_decode_args,
     empty_outputs,
     into_buffers,
     is_empty,
@@ -299,17 +300,35 @@ def traced_sparse_decode(
     extra_k_cache: Optional[torch.Tensor] = None,
     extra_indices_in_kvcache: Optional[torch.Tensor] = None,
     extra_topk_length: Optional[torch.Tensor] = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode as ``torch.compile`` traces it: straight to the custom op, with the plan of an
-    already filled scheduler object. The op validates every argument when it runs (the checks read
-    storage offsets and sizes, which the tracer cannot follow)."""
-    plan = tile_scheduler_metadata.plan
-    if plan is None:
+    already filled scheduler object, which must have been filled for this call's configuration
+    (shapes, optional arguments, device, backend: compared while tracing, as an eager call does).
+    The op validates every argument when it runs (the checks read storage offsets and sizes, which
+    the tracer cannot follow)."""
+    meta = tile_scheduler_metadata
+    plan = meta.plan
+    if plan is None or meta.config is None:
         raise ValueError(
             "tile_scheduler_metadata: not filled yet; torch.compile cannot trace its first fill (a host "
             "read of topk_length): make one eager call with it before the compiled one"
         )
-    sm_scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    b, s_q, h_q, d_qk = q.shape
+    now = dict(
+        b=b, s_q=s_q, h_q=h_q, d_qk=d_qk, topk=indices.shape[-1], has_topk_length=topk_length is not None,
+        extra_topk=0 if extra_indices_in_kvcache is None else extra_indices_in_kvcache.shape[-1],
+        has_extra_topk_length=extra_topk_length is not None, device=str(q.device), backend=backend,
+    )  # fmt: skip
+    changed = ", ".join(
+        f"{k} {getattr(meta.config, k)!r} -> {v!r}" for k, v in now.items() if getattr(meta.config, k) != v
+    )
+    if changed:
+        raise ValueError(
+            f"tile_scheduler_metadata: this object was filled for another configuration ({changed}); "
+            "call get_mla_metadata() again for a new one"
+        )
+    sm_scale = d_qk**-0.5 if softmax_scale is None else softmax_scale
     return torch.ops.sparse_mla.sparse_decode(
         q,
         k_cache,
@@ -351,11 +370,10 @@ def decode(
     allocates its outputs: a caller's ``out``/``lse`` then get a copy."""
     check_sched_meta(tile_scheduler_metadata)
     if torch.compiler.is_compiling():
-        if head_dim_v != D_V or not is_fp8_kvcache or causal:
-            raise ValueError("head_dim_v / is_fp8_kvcache / causal: the sparse decode needs 512 / True / False")
+        sm_scale = check_traced_decode_args(q, indices, head_dim_v, softmax_scale, is_fp8_kvcache, causal, out, lse)
         return into_buffers(out, lse, *traced_sparse_decode(
-            q, k_cache, indices, tile_scheduler_metadata, softmax_scale, topk_length, attn_sink, extra_k_cache,
-            extra_indices_in_kvcache, extra_topk_length,
+            q, k_cache, indices, tile_scheduler_metadata, sm_scale, topk_length, attn_sink, extra_k_cache,
+            extra_indices_in_kvcache, extra_topk_length, backend,
         ))  # fmt: skip
     # the call's tensors by DecodeProblem field: what the fingerprint covers and a repeated call replaces
     fields = dict(q=q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
