@@ -85,6 +85,12 @@ def test_workspace_bytes_of_documented_shapes():
         decode_workspace_bytes(1, 1, 129)
     with pytest.raises(ValueError, match="^b"):
         decode_workspace_bytes(0, 1, 16)
+    # num_sms as get_mla_metadata takes it, d_v as the decode has it, NumPy integers accepted
+    for kw, name in ((dict(num_sms=2000), "^num_sms"), (dict(num_sms=True), "^num_sms"), (dict(d_v=7), "^d_v")):
+        with pytest.raises(ValueError, match=name):
+            decode_workspace_bytes(128, 2, 128, **kw)
+    np = pytest.importorskip("numpy")
+    assert decode_workspace_bytes(np.int64(128), 2, 128, num_sms=np.int32(132)) == 66 * 2 * 128 * 513 * 4
 
 
 # ------------------------------------------------------------------ out= / lse=

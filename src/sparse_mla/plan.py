@@ -9,6 +9,7 @@ safe).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -211,13 +212,20 @@ def decode_workspace_bytes(b: int, s_q: int, h_q: int, num_sms: int | None = Non
         d_v: value head dim (512).
 
     Raises:
-        ValueError: a non-positive size.
+        ValueError: a non-positive size, ``d_v`` other than 512, ``num_sms`` outside [1, 1024].
     """
     for name, v in (("b", b), ("s_q", s_q), ("h_q", h_q), ("d_v", d_v)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    b, s_q, h_q, d_v = int(b), int(s_q), int(h_q), int(d_v)  # (NumPy integers accepted)
     if h_q > MAX_H_Q:
         raise ValueError(f"h_q: expected at most {MAX_H_Q}, got {h_q}")
+    if d_v != 512:
+        raise ValueError(f"d_v: expected 512 (the value head dim of both layouts), got {d_v}")
+    if num_sms is not None:
+        if isinstance(num_sms, bool) or not isinstance(num_sms, numbers.Integral) or not 0 < num_sms <= MAX_NUM_SMS:
+            raise ValueError(f"num_sms: expected an int in [1, {MAX_NUM_SMS}] or None, got {num_sms!r}")
+        num_sms = int(num_sms)
     if num_sms is None:
         num_sms = cuda_num_sms() if torch.cuda.is_available() else DEFAULT_CPU_NUM_SMS
     parts = max(BACKENDS[name].num_sm_parts(num_sms, s_q, h_q) for name in AUTO_ORDER)
