@@ -286,3 +286,21 @@ def test_bad_seed_is_a_usage_error_naming_it(command, seed, capsys, monkeypatch)
     assert rc == 2
     err = capsys.readouterr().err
     assert "--seed" in err and "Traceback" not in err
+
+
+def test_sizes_the_machine_cannot_allocate_exit_2_with_one_line(capsys):
+    # (before: a DefaultCPUAllocator traceback and exit 1, the "check failed" status)
+    rc = cli.main(["serve-sim", "--batch", str(10**12), "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "sparse-mla serve-sim: cannot allocate the requested sizes" in err and "Traceback" not in err
+
+
+def test_a_bad_backend_variable_exits_2_naming_it(monkeypatch, capsys):
+    monkeypatch.setenv("SPARSE_MLA_BACKEND", "bogus")
+    rc = cli.main(["demo", "--reference"])
+    assert rc == 2
+    assert "sparse-mla demo: error: SPARSE_MLA_BACKEND: expected 'auto' or one of" in capsys.readouterr().err
+    monkeypatch.setenv("SPARSE_MLA_TRACEBACK", "1")  # the traceback on request
+    with pytest.raises(ValueError, match="SPARSE_MLA_BACKEND"):
+        cli.main(["demo", "--reference"])

@@ -107,6 +107,41 @@ def test_context_parallel_decode_matches_one_device(offsets_blocks, case):
         mp.spawn(_worker, args=(world, os.path.join(d, "init"), offsets_blocks, case), nprocs=world, join=True)
 
 
+def _disagreeing_worker(rank, world, init_file, case):
+    # every rank must raise a ValueError naming the problem (before: gloo aborts, "connection
+    # closed by peer", or a silently wrong merge when the ownership rules differed)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        p = make_problem(b=2, s_q=1, h_q=16, topk=64, num_blocks=4, page_block_size=16, seed=9)
+        offsets = [0, 32, 64]
+        kw = {}
+        q = p.q
+        if case == "offsets" and rank == 1:
+            offsets = [0, 40, 64]
+        if case == "sink" and rank == 0:
+            kw["attn_sink"] = torch.zeros(1)  # the wrong shape on one rank only
+        if case == "shape" and rank == 1:
+            q = p.q[:, :, :8]
+        shard = p.k_cache[:2] if rank == 0 else p.k_cache[2:]
+        with pytest.raises(ValueError) as e:
+            sparse_decode_context_parallel(q, shard, p.indices, offsets, **kw)
+        expect = {"offsets": "the ranks must pass the same", "shape": "the ranks must pass the same"}
+        if case == "sink":
+            expect = "attn_sink: expected shape" if rank == 0 else "their arguments were refused"
+        else:
+            expect = expect[case]
+        assert expect in str(e.value), str(e.value)
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_gloo
+@pytest.mark.parametrize("case", ["offsets", "sink", "shape"])
+def test_ranks_that_disagree_raise_on_every_rank(case):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_disagreeing_worker, args=(2, os.path.join(d, "init"), case), nprocs=2, join=True)
+
+
 def test_not_initialised_raises():
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group is already initialised")

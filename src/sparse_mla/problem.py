@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .formats import KVCacheLayout, check_cache_alignment, check_quantized_cache, get_layout
-from .runtime import check_plain_storage, storage_extent
+from .runtime import check_no_self_overlap, check_plain_storage, storage_extent
 
 __all__ = [
     "DecodeProblem",
@@ -277,12 +277,12 @@ def validate_sparse_decode(
             raise ValueError(f"out: expected shape [b={b}, s_q={s_q}, h_q={h_q}, d_v={lay.d_v}], got {list(out.shape)}")
         if out.stride(-1) != 1 and out.numel() > 0:
             raise ValueError("out: the last dimension must be contiguous (stride 1)")
-        _check_no_self_overlap(out, "out")
+        check_no_self_overlap(out, "out")
     if lse is not None:
         check_tensor(lse, "lse", (torch.float32,), 3, dev)
         if tuple(lse.shape) != (b, h_q, s_q):
             raise ValueError(f"lse: expected shape [b={b}, h_q={h_q}, s_q={s_q}], got {list(lse.shape)}")
-        _check_no_self_overlap(lse, "lse")
+        check_no_self_overlap(lse, "lse")
     if out is not None or lse is not None:
         call = (*given, out, lse)
         check_outputs_apart(call, relative_byte_ranges(call))
@@ -392,18 +392,3 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     negative: the first is the data pointer)."""
     lo = t.data_ptr()
     return lo, lo + storage_extent(t) - 1
-
-
-def _check_no_self_overlap(t: torch.Tensor, name: str) -> None:
-    """An output buffer must hold each element once (no expanded or otherwise self-overlapping
-    strides: checked by the sufficient rule that each stride, in increasing order, exceeds the
-    span of the smaller ones). Overlap with the inputs: :func:`check_outputs_apart`."""
-    if t.numel() == 0:
-        return
-    span = 0
-    for n, st in sorted(((n, abs(st)) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1), key=lambda x: x[1]):
-        if st <= span:
-            raise ValueError(
-                f"{name}: its elements overlap in memory (expanded or overlapping strides {tuple(t.stride())})"
-            )
-        span += (n - 1) * st

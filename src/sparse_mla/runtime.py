@@ -26,6 +26,7 @@ __all__ = [
     "cuda_num_sms",
     "on_tensor_device",
     "check_plain_storage",
+    "check_no_self_overlap",
     "storage_extent",
     "LOG2E",
     "LN2",
@@ -120,6 +121,8 @@ def check_plain_storage(x: torch.Tensor, name: str) -> None:
     """``x`` is a dense tensor whose elements the kernels can read as stored: strided layout, not
     a lazily negated or conjugated view (the kernels read the raw bits), not a zero tensor without
     storage, and every element inside its storage (a storage shrunk under a view is refused)."""
+    if torch.compiler.is_compiling():
+        return  # (traced: no storage to bound; the operators check their real tensors when they run)
     if x.layout != torch.strided:
         raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}")
     if x.is_neg() or x.is_conj():
@@ -131,3 +134,18 @@ def check_plain_storage(x: torch.Tensor, name: str) -> None:
     end = x.storage_offset() * x.element_size() + storage_extent(x)
     if end > x.untyped_storage().nbytes():
         raise ValueError(f"{name}: its elements run {end - x.untyped_storage().nbytes()} bytes past its storage")
+
+
+def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
+    """An output buffer must hold each element once (no expanded or otherwise self-overlapping
+    strides: checked by the sufficient rule that each stride, in increasing order, exceeds the
+    span of the smaller ones)."""
+    if t.numel() == 0:
+        return
+    span = 0
+    for n, st in sorted(((n, abs(st)) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1), key=lambda x: x[1]):
+        if st <= span:
+            raise ValueError(
+                f"{name}: its elements overlap in memory (expanded or overlapping strides {tuple(t.stride())})"
+            )
+        span += (n - 1) * st

@@ -58,6 +58,63 @@ def _check_offsets(slot_offsets: Any, world: int) -> list[int]:
     return vals
 
 
+#: the consistency record's fields before the slot offsets: ok, b, s_q, h_q, d_qk, topk, sink, topk_length
+_SIG_FIXED = 8
+
+
+def _local_part(
+    q,
+    k_cache,
+    indices,
+    slot_offsets,
+    world,
+    rank,
+    head_dim_v,
+    softmax_scale,
+    attn_sink,
+    topk_length,
+    meta,
+    backend,
+    sig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's checks and local decode; fills ``sig`` (the record the ranks compare)."""
+    offsets = _check_offsets(slot_offsets, world)
+    lo, hi = offsets[rank], offsets[rank + 1]
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise TypeError("q: expected a bf16 tensor [b, s_q, h_q, d_qk]")
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        raise TypeError("k_cache: expected this rank's FP8 cache shard [num_blocks, page_block_size, 1, bytes]")
+    if k_cache.shape[0] * k_cache.shape[1] < hi - lo:
+        raise ValueError(
+            f"k_cache: this rank owns {hi - lo} slots but its shard holds {k_cache.shape[0] * k_cache.shape[1]}"
+        )
+    if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or indices.dim() != 3:
+        raise TypeError("indices: expected an int32 tensor [b, s_q, topk] of global slots")
+    if topk_length is not None:
+        if not isinstance(topk_length, torch.Tensor) or topk_length.dtype != torch.int32:
+            raise TypeError(f"topk_length: expected an int32 tensor [b={indices.shape[0]}]")
+        if tuple(topk_length.shape) != (indices.shape[0],):
+            raise ValueError(f"topk_length: expected shape [b={indices.shape[0]}], got {list(topk_length.shape)}")
+    if attn_sink is not None:
+        if not isinstance(attn_sink, torch.Tensor) or attn_sink.dtype != torch.float32:
+            raise TypeError(f"attn_sink: expected a float32 tensor [h_q={q.shape[2]}], got {type(attn_sink).__name__}")
+        if tuple(attn_sink.shape) != (q.shape[2],):
+            raise ValueError(f"attn_sink: expected shape [h_q={q.shape[2]}], got {list(attn_sink.shape)}")
+        if attn_sink.device != q.device:
+            raise ValueError(f"attn_sink: expected a tensor on {q.device} (where q is), got {attn_sink.device}")
+    local = localize_indices(indices, lo, hi, topk_length)
+    meta = meta if meta is not None else get_mla_metadata()[0]
+    out, lse = flash_mla_with_kvcache(
+        q, k_cache, None, None, head_dim_v, meta, softmax_scale=softmax_scale, is_fp8_kvcache=True,
+        indices=local, backend=backend,
+    )  # fmt: skip
+    sig[:_SIG_FIXED] = torch.tensor(
+        [1, *q.shape, indices.shape[-1], attn_sink is not None, topk_length is not None], dtype=torch.int64
+    )
+    sig[_SIG_FIXED:] = torch.tensor(offsets, dtype=torch.int64)
+    return out, lse
+
+
 def sparse_decode_context_parallel(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -94,32 +151,44 @@ def sparse_decode_context_parallel(
 
     Raises:
         TypeError / ValueError: bad arguments (the local decode checks its own), a shard smaller
-            than its slot range, or torch.distributed not initialised.
+            than its slot range, or torch.distributed not initialised; on every rank when one
+            rank's arguments were refused or the ranks disagree on the shapes, ``slot_offsets``
+            or which of ``attn_sink``/``topk_length`` they pass (compared in one small all-gather
+            after the local decodes).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialised (call init_process_group first)")
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    offsets = _check_offsets(slot_offsets, world)
-    lo, hi = offsets[rank], offsets[rank + 1]
-    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
-        raise TypeError("k_cache: expected this rank's FP8 cache shard [num_blocks, page_block_size, 1, bytes]")
-    if k_cache.shape[0] * k_cache.shape[1] < hi - lo:
+    # every rank validates and runs its local decode, then all ranks compare one small record (an
+    # error flag and the call's shape): a refusal on one rank, or ranks that disagree on a shape or
+    # the ownership rule, raise on every rank instead of leaving the others in the data collective
+    sig = torch.full((_SIG_FIXED + world + 1,), -1, dtype=torch.int64)
+    err: Exception | None = None
+    try:
+        out, lse = _local_part(
+            q, k_cache, indices, slot_offsets, world, rank, head_dim_v, softmax_scale, attn_sink, topk_length,
+            tile_scheduler_metadata, backend, sig,
+        )  # fmt: skip
+    except (TypeError, ValueError) as e:
+        err = e
+    sig_dev = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    )
+    sigs = torch.empty(world * sig.numel(), dtype=torch.int64, device=sig_dev)
+    dist.all_gather_into_tensor(sigs, sig.to(sig_dev), group=group)
+    sigs = sigs.view(world, -1).cpu()
+    if err is not None:
+        raise err
+    refused = [r for r in range(world) if sigs[r, 0] < 0]
+    if refused:
+        raise ValueError(f"rank(s) {refused}: their arguments were refused (see the error raised there)")
+    differ = [r for r in range(world) if not torch.equal(sigs[r], sigs[rank])]
+    if differ:
         raise ValueError(
-            f"k_cache: this rank owns {hi - lo} slots but its shard holds {k_cache.shape[0] * k_cache.shape[1]}"
+            "q / indices / slot_offsets / attn_sink / topk_length: the ranks must pass the same shapes and "
+            f"slot_offsets; rank {rank} has {sigs[rank, 1:].tolist()}, rank {differ[0]} {sigs[differ[0], 1:].tolist()}"
         )
-    if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or indices.dim() != 3:
-        raise TypeError("indices: expected an int32 tensor [b, s_q, topk] of global slots")
-    if topk_length is not None and (
-        not isinstance(topk_length, torch.Tensor) or topk_length.shape != (indices.shape[0],)
-    ):
-        raise ValueError(f"topk_length: expected an int32 tensor [b={indices.shape[0]}]")
-    local = localize_indices(indices, lo, hi, topk_length)
-    meta = tile_scheduler_metadata if tile_scheduler_metadata is not None else get_mla_metadata()[0]
-    out, lse = flash_mla_with_kvcache(
-        q, k_cache, None, None, head_dim_v, meta, softmax_scale=softmax_scale, is_fp8_kvcache=True,
-        indices=local, backend=backend,
-    )  # fmt: skip
     b, s_q, h_q, d_v = out.shape
     # one collective: every rank's (out, lse) as one fp32 record per (b, s_q, h)
     part = torch.cat([out.float(), lse.permute(0, 2, 1).unsqueeze(-1)], dim=-1).contiguous()

@@ -47,12 +47,14 @@ def check_store_args(
         raise ValueError(f"kv: expected shape [n, {lay.d_qk}] (d_qk of the {lay.name} cache), got {list(kv.shape)}")
     if kv.numel() and kv.stride(1) != 1:
         raise ValueError(f"kv: the last dimension must be contiguous (stride 1), got strides {list(kv.stride())}")
+    check_plain_storage(kv, "kv")  # the kernel reads its raw bits, inside its storage
     if not isinstance(slot_mapping, torch.Tensor):
         raise TypeError(f"slot_mapping: expected a torch.Tensor, got {type(slot_mapping).__name__}")
     if slot_mapping.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"slot_mapping: expected dtype torch.int64 (or torch.int32), got {slot_mapping.dtype}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != kv.shape[0]:
         raise ValueError(f"slot_mapping: expected shape [n={kv.shape[0]}], got {list(slot_mapping.shape)}")
+    check_plain_storage(slot_mapping, "slot_mapping")
     if kv.device != k_cache.device:
         raise ValueError(f"kv: expected a tensor on {k_cache.device} (where k_cache is), got {kv.device}")
     if slot_mapping.device != k_cache.device:
@@ -78,6 +80,7 @@ def check_abs_index_args(abs_indices: torch.Tensor, block_table: torch.Tensor, p
         raise TypeError("abs_indices: expected an int32 tensor [b, s_q, topk]")
     if abs_indices.dim() != 3:
         raise ValueError(f"abs_indices: expected shape [b, s_q, topk], got {list(abs_indices.shape)}")
+    check_plain_storage(abs_indices, "abs_indices")
     check_block_table(block_table, abs_indices.shape[0], abs_indices.device, page_block_size)
 
 
@@ -96,5 +99,4 @@ def check_block_table(block_table: torch.Tensor, b: int, device: torch.device, p
         raise ValueError(f"block_table: expected shape [b={b}, max_blocks_per_seq], got {list(block_table.shape)}")
     if block_table.device != device:
         raise ValueError(f"block_table: must be on the same device as the indices ({device})")
-    if not torch.compiler.is_compiling():  # (traced, the table is read by torch operations)
-        check_plain_storage(block_table, "block_table")  # the kernels read its raw bits, inside its storage
+    check_plain_storage(block_table, "block_table")  # the kernels read its raw bits, inside its storage

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import on_tensor_device, require_runnable, use_triton
+from ..runtime import check_no_self_overlap, check_plain_storage, on_tensor_device, require_runnable, use_triton
 from .checks import check_abs_index_args
 
 __all__ = ["abs_indices_to_kvcache_indices_triton", "table_slots"]
@@ -107,6 +107,8 @@ def abs_indices_to_kvcache_indices_triton(
             raise ValueError(
                 f"out: expected shape {[b, s_q, topk]} on {abs_indices.device}, got {list(out.shape)} on {out.device}"
             )
+        check_plain_storage(out, "out")
+        check_no_self_overlap(out, "out")
     if out.numel() == 0:
         return out
     dev = abs_indices.device

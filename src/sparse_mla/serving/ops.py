@@ -47,7 +47,7 @@ from ..problem import (
     relative_byte_ranges,
     validate_sparse_decode,
 )
-from ..runtime import on_tensor_device, use_triton
+from ..runtime import check_no_self_overlap, check_plain_storage, on_tensor_device, use_triton
 from ..scheduler import MAX_ACC_ROWS_PER_PART, META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
 
 if TYPE_CHECKING:  # importing the launcher imports Triton
@@ -596,6 +596,9 @@ def _check_combine(o_accum, lse_accum, num_splits, out, lse, attn_sink) -> None:
             raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {list(t.shape)}")
         if t.device != out.device:
             raise ValueError(f"{name}: expected a tensor on {out.device} (where out is), got {t.device}")
+        check_plain_storage(t, name)  # the kernel reads (and writes) the raw bits, inside the storage
+    check_no_self_overlap(out, "out")
+    check_no_self_overlap(lse, "lse")
     b, s_q, h_q, d_v = out.shape
     rows = o_accum.shape[0]
     if tuple(o_accum.shape[1:]) != (s_q, h_q, d_v):
@@ -617,6 +620,10 @@ def _check_combine(o_accum, lse_accum, num_splits, out, lse, attn_sink) -> None:
             raise ValueError(f"attn_sink: expected a float32 tensor of shape [{h_q}]")
         if attn_sink.device != out.device:
             raise ValueError(f"attn_sink: expected a tensor on {out.device}")
+        check_plain_storage(attn_sink, "attn_sink")
+    # out and lse are written while the inputs are read: apart from them and from each other
+    call = (o_accum, lse_accum, num_splits, attn_sink, None, None, None, None, out, lse)
+    check_outputs_apart(call, relative_byte_ranges(call))
     if out.device.type == "cpu" and num_splits.numel():
         ns = num_splits.tolist()
         if ns[0] != 0 or any(ns[i + 1] < ns[i] for i in range(b)) or ns[-1] > rows:

@@ -576,9 +576,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``sparse-mla`` and ``python -m sparse_mla``; returns the exit status."""
+    """Entry point of ``sparse-mla`` and ``python -m sparse_mla``; returns the exit status: 0 passed,
+    1 a check failed, 2 a usage error (bad flags, a bad ``SPARSE_MLA_BACKEND``, sizes the machine
+    cannot allocate: one line on stderr; ``SPARSE_MLA_TRACEBACK=1`` raises instead)."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except (ValueError, TypeError, MemoryError, RuntimeError) as e:
+        if os.environ.get("SPARSE_MLA_TRACEBACK") == "1" or (
+            isinstance(e, RuntimeError) and not _is_allocation_failure(e)
+        ):
+            raise
+        what = "cannot allocate the requested sizes" if not isinstance(e, (ValueError, TypeError)) else "error"
+        print(
+            f"sparse-mla {args.command}: {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def _is_allocation_failure(e: RuntimeError) -> bool:
+    """A CPU or CUDA allocation that failed (the sizes asked for more memory than there is)."""
+    import torch
+
+    msg = str(e).lower()
+    return (
+        isinstance(e, torch.OutOfMemoryError) or "alloc" in msg or "out of memory" in msg or "not enough memory" in msg
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover
