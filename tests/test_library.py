@@ -312,3 +312,39 @@ def test_compiled_decode_checks_what_it_can_trace():
     out = torch.empty(2, 1, 16, 512, dtype=torch.bfloat16, device=DEV)
     o, _ = compiled(lambda q, kc, ix, o: call(q, kc, ix, out=o), q, kc, idx, out)
     assert torch.equal(out, want_o)
+
+
+def test_a_plan_set_by_hand_is_refused():
+    """A scheduler object's fields are public: a plan taken from another object (another batch)
+    ran another schedule (an index error on the CPU, a heap write in the interpreter, or a silently
+    wrong result) and a filled flag without a configuration raised AttributeError."""
+    big_p = to_dev(make_problem(b=3, h_q=16, topk=64, seed=41))
+    small_p = to_dev(make_problem(b=2, h_q=16, topk=64, seed=42))
+    big, _ = flash_mla.get_mla_metadata(num_sms=4)
+    small, _ = flash_mla.get_mla_metadata(num_sms=4)
+    for p, m in ((big_p, big), (small_p, small)):
+        flash_mla.flash_mla_with_kvcache(p.q, p.k_cache, None, None, 512, m, is_fp8_kvcache=True, indices=p.indices)
+    small.plan = big.plan
+    with pytest.raises(ValueError, match="tile_scheduler_metadata: its plan does not belong"):
+        flash_mla.flash_mla_with_kvcache(
+            small_p.q, small_p.k_cache, None, None, 512, small, is_fp8_kvcache=True, indices=small_p.indices
+        )
+    fresh, _ = flash_mla.get_mla_metadata(num_sms=4)
+    fresh.have_initialized = True
+    with pytest.raises(ValueError, match="tile_scheduler_metadata: its plan does not belong"):
+        flash_mla.flash_mla_with_kvcache(
+            small_p.q, small_p.k_cache, None, None, 512, fresh, is_fp8_kvcache=True, indices=small_p.indices
+        )
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="the op checks the block counts on the host")
+def test_the_op_refuses_block_counts_of_another_topk():
+    # schedule_tensors() of an object filled for topk 64, given to a topk 128 call without
+    # topk_length: every batch's block count is fixed by topk, and these are not it
+    p64 = make_problem(b=2, h_q=16, topk=64, seed=43)
+    p128 = make_problem(b=2, h_q=16, topk=128, seed=43)
+    meta, _ = flash_mla.get_mla_metadata(num_sms=4)
+    lib.sparse_decode(p64.q, p64.k_cache, p64.indices, meta)
+    st = lib.schedule_tensors(meta)
+    with pytest.raises(ValueError, match="main_blocks: expected 2 per batch for topk 128"):
+        torch.ops.sparse_mla.sparse_decode(p128.q, p128.k_cache, p128.indices, **st, sm_scale=0.05)

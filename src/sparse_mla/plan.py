@@ -28,6 +28,7 @@ __all__ = [
     "get_mla_metadata",
     "plan_decode",
     "ensure_plan",
+    "check_plan_belongs",
     "check_sched_meta",
     "decode_workspace_bytes",
     "DEFAULT_CPU_NUM_SMS",
@@ -73,6 +74,7 @@ class DecodePlan:
     backend: Backend
     table: ScheduleTable
     workspace: Workspace
+    config: ScheduleConfig | None = None  # what it was made for (:func:`ensure_plan` checks it)
 
     @property
     def workspace_bytes(self) -> int:
@@ -193,7 +195,7 @@ def plan_decode(p: DecodeProblem, num_sms: int | None = None, backend: str = "au
     main, total = batch_num_blocks(b, p.topk, tl_host, p.extra_topk, etl_host)
     table = schedule(total, chosen.num_sm_parts(num_sms, s_q, h_q), main_blocks=main).to(p.q.device)
     workspace = split_accumulators(table.num_acc_rows, s_q, h_q, p.d_v, p.q.device)
-    return DecodePlan(chosen, table, workspace)
+    return DecodePlan(chosen, table, workspace, _config_of(p, num_sms, backend))
 
 
 def decode_workspace_bytes(b: int, s_q: int, h_q: int, num_sms: int | None = None, d_v: int = 512) -> int:
@@ -242,6 +244,17 @@ def check_sched_meta(meta: Any) -> FlashMLASchedMeta:
     return meta
 
 
+def check_plan_belongs(meta: FlashMLASchedMeta) -> None:
+    """A filled scheduler object's plan was made for the configuration it records (its public
+    fields can be set by hand: a plan taken from another object would run another schedule)."""
+    plan = meta.plan
+    if meta.config is None or plan is None or plan.config != meta.config:
+        raise ValueError(
+            "tile_scheduler_metadata: its plan does not belong to the configuration it records (its fields were "
+            "set by hand?); call get_mla_metadata() again for a new one"
+        )
+
+
 def ensure_plan(meta: FlashMLASchedMeta, p: DecodeProblem, backend: str = "auto") -> DecodePlan:
     """Fill ``meta`` on its first use; afterwards check that ``p`` has the configuration it was
     filled for and return its plan (no host synchronisation).
@@ -257,6 +270,7 @@ def ensure_plan(meta: FlashMLASchedMeta, p: DecodeProblem, backend: str = "auto"
     num_sms = meta.num_sms or _device_num_sms(p.q.device)
     cfg = _config_of(p, num_sms, backend)
     if meta.have_initialized:
+        check_plan_belongs(meta)
         if meta.config != cfg:
             raise ValueError(
                 f"tile_scheduler_metadata: this object was filled for another configuration ({meta.config.differences(cfg)}); "

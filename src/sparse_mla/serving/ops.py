@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..decode.backends import resolve_backend, run_decode
-from ..plan import DecodePlan, FlashMLASchedMeta, check_sched_meta, ensure_plan
+from ..plan import DecodePlan, FlashMLASchedMeta, check_plan_belongs, check_sched_meta, ensure_plan
 from ..prefill.problem import validate_sparse_prefill
 from ..prefill.run import run_prefill
 from ..problem import (
@@ -194,6 +194,23 @@ def _sparse_decode_op(
                 raise ValueError(
                     f"{name}: values out of range for this call (use schedule_tensors() of a filled scheduler)"
                 )
+        # and block counts that no scheduler fill for this call's topk (and extra_topk) makes: the
+        # ones the lengths do not change are fixed (a schedule of another topk ran silently before)
+        mb, nb = main_blocks.long(), num_blocks.long()
+        main_full = -(-indices.shape[2] // TOPK_BLOCK_SIZE)
+        extra_full = -(-extra_topk // TOPK_BLOCK_SIZE)
+        if topk_length is None and bool((mb != main_full).any()):
+            raise ValueError(
+                f"main_blocks: expected {main_full} per batch for topk {indices.shape[2]} without topk_length "
+                "(use schedule_tensors() of the scheduler filled for this call)"
+            )
+        if extra_indices is None or extra_topk_length is None:
+            want_nb = torch.clamp(mb + (extra_full if extra_indices is not None else 0), min=1)
+            if not torch.equal(nb, want_nb):
+                raise ValueError(
+                    "num_blocks: not the block counts of this call's topk / extra_topk "
+                    "(use schedule_tensors() of the scheduler filled for this call)"
+                )
         split = int(acc_rows[-1]) > 0
         if split and not any_split:
             raise ValueError("any_split: False, but acc_rows says some batch is split (pass True)")
@@ -309,11 +326,12 @@ def traced_sparse_decode(
     the tracer cannot follow)."""
     meta = tile_scheduler_metadata
     plan = meta.plan
-    if plan is None or meta.config is None:
+    if plan is None and meta.config is None:
         raise ValueError(
             "tile_scheduler_metadata: not filled yet; torch.compile cannot trace its first fill (a host "
             "read of topk_length): make one eager call with it before the compiled one"
         )
+    check_plan_belongs(meta)
     b, s_q, h_q, d_qk = q.shape
     now = dict(
         b=b, s_q=s_q, h_q=h_q, d_qk=d_qk, topk=indices.shape[-1], has_topk_length=topk_length is not None,
@@ -390,6 +408,7 @@ def decode(
         and cached is not None
         and cached[0] == fp
         and cached[1] == scalars
+        and cached[6] is tile_scheduler_metadata.plan  # (not a plan set by hand since)
         and _inside_storage(vals, cached[5])
     ):
         # the same geometry as the last validated call of this object: only the data differ. The
@@ -426,7 +445,7 @@ def decode(
     stripped = dataclasses.replace(p, **dict.fromkeys(fields))
     ranges = relative_byte_ranges(vals)
     spans = ranges if out is not None or lse is not None else None
-    tile_scheduler_metadata.call_cache = (fp, scalars, stripped, None, spans, ranges)
+    tile_scheduler_metadata.call_cache = (fp, scalars, stripped, None, spans, ranges, plan)
     fields.update(topk_length=p.topk_length, attn_sink=p.attn_sink, extra_topk_length=p.extra_topk_length)
     return _launch_planned(p, plan, tile_scheduler_metadata, fields)
 
