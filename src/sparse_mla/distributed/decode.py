@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..api import flash_mla_with_kvcache
 from ..plan import FlashMLASchedMeta, get_mla_metadata
+from ..problem import _check_vector
 from .merge import merge_attention_states
 
 __all__ = ["sparse_decode_context_parallel", "localize_indices"]
@@ -90,18 +91,10 @@ def _local_part(
         )
     if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or indices.dim() != 3:
         raise TypeError("indices: expected an int32 tensor [b, s_q, topk] of global slots")
-    if topk_length is not None:
-        if not isinstance(topk_length, torch.Tensor) or topk_length.dtype != torch.int32:
-            raise TypeError(f"topk_length: expected an int32 tensor [b={indices.shape[0]}]")
-        if tuple(topk_length.shape) != (indices.shape[0],):
-            raise ValueError(f"topk_length: expected shape [b={indices.shape[0]}], got {list(topk_length.shape)}")
-    if attn_sink is not None:
-        if not isinstance(attn_sink, torch.Tensor) or attn_sink.dtype != torch.float32:
-            raise TypeError(f"attn_sink: expected a float32 tensor [h_q={q.shape[2]}], got {type(attn_sink).__name__}")
-        if tuple(attn_sink.shape) != (q.shape[2],):
-            raise ValueError(f"attn_sink: expected shape [h_q={q.shape[2]}], got {list(attn_sink.shape)}")
-        if attn_sink.device != q.device:
-            raise ValueError(f"attn_sink: expected a tensor on {q.device} (where q is), got {attn_sink.device}")
+    # checked as the decode checks them (the local decode gets neither: the lengths cut the global
+    # indices, the sink is applied after the merge)
+    topk_length = _check_vector(topk_length, "topk_length", torch.int32, indices.shape[0], "b", q.device)
+    attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, q.shape[2], "h_q", q.device)
     local = localize_indices(indices, lo, hi, topk_length)
     meta = meta if meta is not None else get_mla_metadata()[0]
     out, lse = flash_mla_with_kvcache(

@@ -196,17 +196,17 @@ def _sparse_decode_op(
                 )
         # and block counts that no scheduler fill for this call's topk (and extra_topk) makes: the
         # ones the lengths do not change are fixed (a schedule of another topk ran silently before)
-        mb, nb = main_blocks.long(), num_blocks.long()
+        main_h, total_h = main_blocks.long(), num_blocks.long()
         main_full = -(-indices.shape[2] // TOPK_BLOCK_SIZE)
         extra_full = -(-extra_topk // TOPK_BLOCK_SIZE)
-        if topk_length is None and bool((mb != main_full).any()):
+        if topk_length is None and bool((main_h != main_full).any()):
             raise ValueError(
                 f"main_blocks: expected {main_full} per batch for topk {indices.shape[2]} without topk_length "
                 "(use schedule_tensors() of the scheduler filled for this call)"
             )
         if extra_indices is None or extra_topk_length is None:
-            want_nb = torch.clamp(mb + (extra_full if extra_indices is not None else 0), min=1)
-            if not torch.equal(nb, want_nb):
+            want_nb = torch.clamp(main_h + (extra_full if extra_indices is not None else 0), min=1)
+            if not torch.equal(total_h, want_nb):
                 raise ValueError(
                     "num_blocks: not the block counts of this call's topk / extra_topk "
                     "(use schedule_tensors() of the scheduler filled for this call)"
