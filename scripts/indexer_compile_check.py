@@ -103,7 +103,18 @@ def cases(arch: int):
     single = {**topk, "COMPACT": False, "S_P2": 1}
     yield "topk k=2048 single kernel", K._topk_kernel, single, tc["num_warps"]
     yield "topk k=2048 single kernel, 4-bit digits", K._topk_kernel, {**single, "BITS": 4}, tc["num_warps"]
-    bis = dict(N_P2=tc["bisect"], BLOCK=tc["block"], K_P2=2048, SLOTS=False, SORTED=False, FOR_LOOP=True)
+    cap = min(tc["bisect"], 2048 * tc["bisect_cap"])
+    bis = dict(
+        N_P2=tc["bisect"],
+        BLOCK=tc["block"],
+        K_P2=2048,
+        CAP=cap,
+        THREADS=32 * tc["bisect_warps"],
+        TIE_BITS=15,
+        SLOTS=False,
+        SORTED=False,
+        FOR_LOOP=True,
+    )
     yield "topk k=2048 bisect, unsorted", K._topk_bisect_kernel, bis, tc["bisect_warps"]
     yield "topk k=2048 bisect, sorted", K._topk_bisect_kernel, {**bis, "SORTED": True}, tc["bisect_warps"]
 

@@ -496,6 +496,40 @@ def test_topk_kernel_configs_match_twin(n, k, cfg):
     assert torch.equal(out.cpu(), topk_indices_reference(x.cpu(), k, lo.cpu(), hi.cpu()))
 
 
+@pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("ordered", [True, False])
+def test_topk_register_path_every_phase(ordered):
+    # the register path's phases (k 100: a candidate list of cap = 2 x 128 = 256): the top bits
+    # until <= 256 keys are at or above them, the list, the rest of the bits on it, the select; a
+    # range already within the cap (no top bits); 200 keys tied at the k-th (the list holds them:
+    # the tie rule on the list) and 300 (more than the cap: the select pass over the row); all
+    # negative; NaN, +-inf and -0.0 around the k-th; exactly k keys at or above a prefix
+    from sparse_mla.indexer.kernels import launch_topk
+
+    g = torch.Generator().manual_seed(11)
+    n, k = 3000, 100
+    x = torch.randn(8, n, generator=g)
+    lo = torch.zeros(8, dtype=torch.int64)
+    hi = torch.full((8,), n, dtype=torch.int64)
+    lo[1], hi[1] = 1000, 1200  # 200 entries: within the cap
+    x[2, :60] = 9.0
+    x[2, 500:700] = 5.0  # 60 above, 200 tied at the k-th: 40 of them by position
+    x[3, :60] = 9.0
+    x[3, 500:800] = 5.0  # 300 tied: more than the cap
+    x[4] = -x[4].abs() - 1.0  # all negative
+    x[5, ::7] = float("nan")
+    x[5, 1::11] = float("inf")
+    x[5, 2::13] = float("-inf")
+    x[5, 3::17] = -0.0
+    x[6] = torch.arange(n, dtype=torch.float32) / 4096  # exactly k keys >= a bit prefix often
+    x[7] = torch.randn(n, generator=g) * 1e-30  # tiny values: the bits run long
+    out = torch.empty(8, k, dtype=torch.int32, device=DEVICE)
+    args = (x.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE), out, k, k)
+    launch_topk(*args, config={"bisect": 4096, "bisect_cap": 2}, ordered=ordered)
+    want = topk_indices_reference(x, k, lo, hi)
+    assert torch.equal(out.cpu(), want) if ordered else same_index_sets(out, want)
+
+
 @pytest.mark.parametrize(
     "n, k, cfg",
     [

@@ -521,8 +521,13 @@ def _key32(x):
 
 
 @triton.jit
-def _row_chunk(row_ptr, start, lo, hi, BLOCK: tl.constexpr):
+def _row_chunk(row_ptr, start, lo, hi, BLOCK: tl.constexpr, SCALAR: tl.constexpr = False):
+    """``(pos, valid, key, ukey)`` of row entries ``[start, start + BLOCK)`` (``valid``: within ``[lo,
+    hi)``). ``SCALAR``: one entry per load instruction, so the tensors take the layout of a scatter
+    by position (no layout conversion before one)."""
     pos = start + tl.arange(0, BLOCK)
+    if SCALAR:  # (hi >= lo: a zero the compiler cannot see, so the positions are not contiguous to it)
+        pos = pos ^ (hi < lo).to(tl.int32)
     valid = (pos >= lo) & (pos < hi)
     if row_ptr.dtype.element_ty == tl.bfloat16:
         # bf16 -> fp32 as bits (exact; Triton's interpreter, 3.6-3.9, turns bf16 subnormals into
@@ -844,30 +849,95 @@ def _emit_topk(
 
 
 @triton.jit
+def _bisect_down(ukey, kth, cnt, b, kk, stop):
+    """Bits ``b..31`` of the k-th best key, from the top, while more than ``stop`` keys are at or
+    above it: ``kth`` holds the bits found (the largest value with at least ``kk`` keys of ``ukey``
+    at or above it so far), ``cnt`` how many are. A bit is a count of the keys at or above
+    ``kth | bit``: a compare and an add per entry, no histogram. Returns ``(kth, cnt, b)``."""
+    while (b < 32) & (cnt > stop):
+        cand = kth | (tl.full([], 0x80000000, tl.uint32) >> b.to(tl.uint32))
+        c = tl.sum((ukey >= cand).to(tl.int32))
+        kth = tl.where(c >= kk, cand, kth)
+        cnt = tl.where(c >= kk, c, cnt)
+        b += 1
+    return kth, cnt, b
+
+
+@triton.jit
+def _column_slots(sel, THREADS: tl.constexpr):
+    """Slots ``0..`` of the ``True`` entries of ``sel`` (one entry per thread in turn: entry ``i``
+    of thread ``t`` is ``sel[i * THREADS + t]``) taken thread by thread: a scan within each thread
+    and one over the ``THREADS`` thread totals, in place of a scan across threads per entry."""
+    f = tl.reshape(sel.to(tl.int32), [sel.shape[0] // THREADS, THREADS])
+    col = tl.sum(f, axis=0)
+    return tl.reshape((tl.cumsum(col, axis=0) - col)[None, :] + tl.cumsum(f, axis=0) - f, [sel.shape[0]])
+
+
+@triton.jit
+def _rank_keys(ukey, pos):
+    """The select's int64 rank keys: the key in the high word, ``2^32 - 1 - position`` in the low
+    (larger = better; ties by lower position)."""
+    key = ukey.to(tl.int32, bitcast=True) ^ -2147483648
+    return key.to(tl.int64) * 4294967296 + (4294967295 - pos.to(tl.int64))
+
+
+@triton.jit
 def _topk_bisect_kernel(
     x_ptr, stride_xr, lo_ptr, hi_ptr, scr_ptr, stride_sr, out_ptr, stride_or, n, k,
-    bt_ptr, stride_bt, n_log, pbs, next_n,
-    N_P2: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr,
-    FOR_LOOP: tl.constexpr,
+    bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr,
+    N_P2: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr, CAP: tl.constexpr, THREADS: tl.constexpr,
+    TIE_BITS: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr, FOR_LOOP: tl.constexpr,
+    STOP: tl.constexpr = 0,
 ):  # fmt: skip
-    """Grid ``(rows,)``, rows of at most ``N_P2`` entries: the row's keys read once into registers,
-    the k-th best key found bit by bit from the top (32 counts of the keys at or above a candidate,
-    each a compare and an add per entry: no histogram), then the select pass (the row again, from
-    L2) and the output as :func:`_topk_kernel`."""
+    """Grid ``(rows,)``, rows of at most ``N_P2`` entries (``2^TIE_BITS``), ``THREADS`` threads a program: the row's
+    keys read once into registers (entry ``i`` of thread ``t``: position ``i * THREADS + t``); the
+    k-th best key's top bits found bit by bit (:func:`_bisect_down`) only until at most ``CAP`` keys
+    are at or above them; those keys gathered thread by thread (:func:`_column_slots`) into ``cand[r,
+    :CAP]``; on that list, the remaining bits, then (when more keys equal the k-th than the top k
+    has room for) the lowest positions among them by the same bisection, and the selected keys
+    gathered into the scratch; the output as :func:`_topk_kernel` (without ``SORTED``: in the
+    gathered order, the same on every call). More than ``CAP`` keys equal to the k-th (all 32 bits
+    found) take the select pass over the row instead. ``STOP`` (timing only, wrong results): 1 ends
+    after the top bits, 2 after the list, 3 before the output."""
+    tl.static_assert(N_P2 % THREADS == 0 and CAP % THREADS == 0, "rows and lists fill every thread")
     r = tl.program_id(0)
     row_ptr = x_ptr + r.to(tl.int64) * stride_xr
     lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
     scr = scr_ptr + r.to(tl.int64) * stride_sr
     if kk > 0:
-        _pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2)
-        ukey = tl.where(valid, ukey, 0)  # below every candidate's key (NaN's is 2^23 - 2)
-        kth = tl.zeros([], tl.uint32)
-        for b in tl.static_range(32):  # the largest key with at least kk keys at or above it
-            cand = kth | tl.full([], 1 << (31 - b), tl.uint32)
-            at_or_above = tl.sum((ukey >= cand).to(tl.int32), axis=0)
-            kth = tl.where(at_or_above >= kk, cand, kth)
-        n_gt = tl.sum((ukey > kth).to(tl.int32), axis=0)
-        _select_pass(row_ptr, lo, hi, (lo // BLOCK) * BLOCK, kth, kk - n_gt, 0, scr, BLOCK, FOR_LOOP)
+        pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=True)
+        ukey = tl.where(valid, ukey, 0)  # (0: out of range)
+        # the top bits: cnt = valid keys >= kth (every key's is > 0, so kth 0 counts them all)
+        kth, cnt, b = _bisect_down(ukey, tl.zeros([], tl.uint32), hi - lo, tl.zeros([], tl.int32), kk, CAP)
+        if STOP == 1:
+            tl.store(scr, kth.to(tl.int64) + cnt)
+        elif cnt <= CAP:
+            sel = ukey >= tl.maximum(kth, 1)
+            cand = cand_ptr + r.to(tl.int64) * stride_cr
+            tl.store(cand + _column_slots(sel, THREADS), _rank_keys(ukey, pos), mask=sel)
+            tl.debug_barrier()  # every thread's candidates before any thread's loads
+            if STOP != 2:
+                i = tl.arange(0, CAP) ^ (hi < lo).to(tl.int32)  # (one entry per load, as the row's)
+                c_valid = i < cnt
+                comp = tl.load(cand + i, mask=c_valid, other=0)
+                c_ukey = tl.where(c_valid, ((comp >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True), 0)
+                kth, cnt, b = _bisect_down(c_ukey, kth, cnt, b, kk, kk)
+                # the entries above the k-th key, and of those equal to it the `need` lowest positions
+                # (tie key N_P2 - position among them, 0 for the rest: the largest `need` of it)
+                n_gt = tl.sum((c_ukey > kth).to(tl.int32))
+                eq = c_valid & (c_ukey == kth)
+                c_pos = (4294967295 - (comp & 4294967295)).to(tl.int32)
+                tie = tl.where(eq, N_P2 - c_pos, 0).to(tl.uint32)
+                cut = tl.zeros([], tl.uint32)
+                if cnt > kk:  # (only when all 32 bits are found: then kk > n_gt)
+                    b = tl.full([], 31 - TIE_BITS, tl.int32)  # tie keys are at most N_P2
+                    cut, _c, _b = _bisect_down(tie, cut, cnt - n_gt, b, kk - n_gt, kk - n_gt)
+                take = (c_ukey > kth) | (eq & (tie >= cut))
+                if STOP == 0:
+                    tl.store(scr + _column_slots(take, THREADS), comp, mask=take)
+        else:  # all 32 bits found and more than CAP keys equal to the k-th: the row again
+            n_gt = tl.sum((ukey > kth).to(tl.int32))
+            _select_pass(row_ptr, lo, hi, (lo // BLOCK) * BLOCK, kth, kk - n_gt, 0, scr, BLOCK, FOR_LOOP)
     _emit_topk(scr, r, kk, k, out_ptr, stride_or, bt_ptr, stride_bt, n_log, pbs, next_n, K_P2, SLOTS, SORTED)
 
 
@@ -886,7 +956,7 @@ def _topk_bisect_kernel(
 #: 4-bit levels 246; one kernel (compact 0) 289 (radix passes 198, select 52, sort 37).
 TOPK_CONFIG = dict(
     bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=4, hist_bits=8, split_block=2048, final_warps=8,
-    bisect=32768, bisect_warps=16,
+    bisect=32768, bisect_warps=16, bisect_cap=2,
 )  # fmt: skip
 _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 
@@ -902,7 +972,7 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     require_runnable(
         _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
         _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
-        _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel,
+        _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel, _bisect_down, _column_slots, _rank_keys,
     )  # fmt: skip
     cfg = {**TOPK_CONFIG, **(config or {})}
     if cfg["bits"] not in (1, 2, 4, 8, 16):
@@ -922,12 +992,17 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     for_loop = not interpreting()
     n_p2 = triton.next_power_of_2(n)
     if n_p2 <= int(cfg["bisect"]):  # the row fits in one program's registers
-        scratch = torch.empty((rows, k_p2), dtype=torch.int64, device=logits.device)
+        warps = min(int(cfg["bisect_warps"]), max(4, n_p2 // 2048))
+        n_p2 = max(n_p2, 32 * warps)  # every thread holds an entry
+        cap = min(n_p2, max(k_p2 * int(cfg["bisect_cap"]), k_p2, 32 * warps))
+        ws = torch.empty((rows, k_p2 + cap), dtype=torch.int64, device=logits.device)
+        scratch, cand = ws[:, :k_p2], ws[:, k_p2:]
         _topk_bisect_kernel[(rows,)](
             logits, logits.stride(0), lo, hi, scratch, scratch.stride(0), out, out.stride(0), n, k,
             bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
-            N_P2=n_p2, BLOCK=block, K_P2=k_p2, SLOTS=slots, SORTED=bool(ordered), FOR_LOOP=for_loop,
-            num_warps=min(int(cfg["bisect_warps"]), max(4, n_p2 // 2048)),
+            cand, cand.stride(0),
+            N_P2=n_p2, BLOCK=block, K_P2=k_p2, CAP=cap, THREADS=32 * warps, TIE_BITS=n_p2.bit_length() - 1, SLOTS=slots, SORTED=bool(ordered),
+            FOR_LOOP=for_loop, STOP=int(cfg.get("profile", 0)), num_warps=warps,
         )  # fmt: skip
         return
     hb = cfg["hist_bits"]
