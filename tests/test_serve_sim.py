@@ -274,3 +274,18 @@ def test_json_path_problem_leaves_no_file(tmp_path):
 def test_cli_cuda_without_cuda_exits_2():
     r = _serve_sim("--device", "cuda", timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--device cuda" in r.stderr, r.stderr
+
+
+def test_sizes_beyond_the_machine_are_refused_before_any_allocation(monkeypatch):
+    # a machine that overcommits memory grants a huge allocation and kills the process when it is
+    # touched (seen on a GPU host: the CLI's exit-2 test lost its worker); the run is checked first
+    from sparse_mla.tools import serve_sim
+
+    cfg = ServeSimConfig(batch=4, max_context=512, steps=2, topk=64, h_q=16, page_block_size=64)
+    host, dev = ServeSim(cfg, "cpu").memory_estimate()
+    assert dev >= 4 * (512 // 64) * 64 * 656  # at least the paged V32 cache
+    monkeypatch.setattr(serve_sim, "_available_host_bytes", lambda: host + dev - 1)
+    with pytest.raises(MemoryError, match="host memory"):
+        ServeSim(cfg, "cpu")
+    monkeypatch.setattr(serve_sim, "_available_host_bytes", lambda: host + dev)
+    ServeSim(cfg, "cpu")  # exactly enough: accepted

@@ -181,6 +181,17 @@ def get_backend(name: str) -> Backend:
     return BACKENDS[key]
 
 
+def check_backend_override() -> None:
+    """Check ``SPARSE_MLA_BACKEND`` up front (the CLI does, whichever path a command takes).
+
+    Raises:
+        ValueError: it is set to a name that is neither ``auto`` nor a backend.
+    """
+    name = backend_override()
+    if name is not None and _ALIASES.get(name, name) not in BACKENDS:
+        raise ValueError(f"SPARSE_MLA_BACKEND: expected 'auto' or one of {sorted(BACKENDS)}, got {name!r}")
+
+
 def backend_support(p: DecodeProblem) -> dict[str, str | None]:
     """For each backend: None if it serves ``p``, else why not."""
     return {name: BACKENDS[name].unsupported(p) for name in AUTO_ORDER}
@@ -196,6 +207,7 @@ def resolve_backend(p: DecodeProblem, backend: str = "auto") -> Backend:
     """
     source = "backend"
     if backend == "auto" and backend_override() is not None:
+        check_backend_override()
         backend, source = backend_override(), "SPARSE_MLA_BACKEND"
     if backend == "auto":
         for name in AUTO_ORDER:

@@ -181,6 +181,42 @@ class StepTimes:
         return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def _available_host_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` (reclaimable page cache counts), else the physical
+    memory; None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_fits(host: int, dev: int, device: torch.device) -> None:
+    """Refuse sizes the machine cannot hold before allocating anything: a machine that overcommits
+    memory would otherwise grant the allocation and kill the process when it is touched.
+
+    Raises:
+        MemoryError: ``host`` (plus ``dev`` on the CPU) bytes exceed the available host memory, or
+            ``dev`` the free memory of the CUDA device.
+    """
+    gib = 2.0**30
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        if dev > free:
+            raise MemoryError(f"needs at least {dev / gib:.1f} GiB on {device}, {free / gib:.1f} GiB free")
+    else:
+        host += dev
+    avail = _available_host_bytes()
+    if avail is not None and host > avail:
+        raise MemoryError(f"needs at least {host / gib:.1f} GiB of host memory, {avail / gib:.1f} GiB available")
+
+
 class ServeSim:
     """State and step of the simulated decode loop (see the module docstring).
 
@@ -213,6 +249,7 @@ class ServeSim:
             raise ValueError(f"device: expected cpu or cuda, got {self.device}")
         self.lay = get_layout(cfg.layout)
         self.B, self.pbs, self.topk = cfg.batch, cfg.page_block_size, cfg.topk
+        _check_fits(*self.memory_estimate(), self.device)
         self.use_graph = cfg.use_graph and self.device.type == "cuda"
         g = torch.Generator().manual_seed(cfg.seed)
         self._host_gen = g
@@ -236,6 +273,19 @@ class ServeSim:
         self.graph: Any | None = None
         self.steps_done = 0
         self._allocated = False
+
+    def memory_estimate(self) -> tuple[int, int]:
+        """Lower bounds of the bytes this run holds: ``(host, device)``. Host: the page tables and
+        free-block lists (Python lists: ~40 bytes an entry); device: the paged cache(s) and the
+        step's buffers (on the CPU both are host memory)."""
+        cfg, lay = self.cfg, self.lay
+        max_blocks = -(-cfg.max_context // self.pbs)
+        blocks = self.B * max_blocks
+        host = blocks * 48 + self.B * 64
+        dev = blocks * lay.block_bytes(self.pbs) + self.B * (cfg.h_q * lay.d_qk * 2 + self.topk * 8)
+        if cfg.indexer:
+            dev += blocks * self.pbs * (cfg.index_dim + 4) + self.B * cfg.max_context * 4
+        return host, dev
 
     # ---------------------------------------------------------------- setup
 
