@@ -10,6 +10,8 @@ import functools
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from helpers import check_decode_close, triton_interpret_enabled
 
 import sparse_mla as flash_mla
@@ -528,6 +530,45 @@ def test_topk_register_path_every_phase(ordered):
     launch_topk(*args, config={"bisect": 4096, "bisect_cap": 2}, ordered=ordered)
     want = topk_indices_reference(x, k, lo, hi)
     assert torch.equal(out.cpu(), want) if ordered else same_index_sets(out, want)
+
+
+@pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")
+@settings(max_examples=20, deadline=None)
+@given(
+    st.integers(1, 3000),  # n
+    st.integers(1, 300),  # k
+    st.integers(1, 4),  # bisect_cap
+    st.integers(1, 40),  # distinct levels (few: ties at the k-th value of every size)
+    st.booleans(),  # specials (NaN, +-inf, -0.0)
+    st.integers(0, 2**31 - 1),  # seed
+)
+def test_topk_register_path_random_rows_match_twin(n, k, cap, levels, specials, seed):
+    # the register path on random rows, ranges and list capacities: in rank order equal to the
+    # twin, without the order the same set and the same order on a second call
+    from sparse_mla.indexer.kernels import launch_topk
+
+    g = torch.Generator().manual_seed(seed)
+    rows = 3
+    x = torch.randint(0, levels, (rows, n), generator=g).float() - levels / 2
+    x[1] = torch.randn(n, generator=g)  # a row of distinct values
+    if specials:
+        for v in (float("nan"), float("inf"), float("-inf"), -0.0):
+            x[torch.rand(rows, n, generator=g) < 0.05] = v
+    lo = torch.randint(-3, n // 2 + 1, (rows,), generator=g)
+    hi = lo + torch.randint(0, n + 4, (rows,), generator=g)
+    lo[0], hi[0] = 0, n
+    lo_d, hi_d = lo.clamp(0, n).to(DEVICE), torch.maximum(hi.clamp(0, n), lo.clamp(0, n)).to(DEVICE)
+    want = topk_indices_reference(x, k, lo_d.cpu(), hi_d.cpu())
+    cfg = {"bisect": 4096, "bisect_cap": cap, "bisect_warps": 4}
+    out = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
+    launch_topk(x.to(DEVICE), lo_d, hi_d, out, k, min(k, n), config=cfg)
+    kk_p2 = 1 << (min(k, n) - 1).bit_length()  # the launcher writes columns < next_power_of_2(kk)
+    assert torch.equal(out.cpu()[:, :kk_p2], want[:, :kk_p2])
+    unsorted = [torch.empty(rows, k, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    for u in unsorted:
+        launch_topk(x.to(DEVICE), lo_d, hi_d, u, k, min(k, n), config=cfg, ordered=False)
+    assert same_index_sets(unsorted[0][:, :kk_p2], want[:, :kk_p2])
+    assert torch.equal(unsorted[0][:, :kk_p2], unsorted[1][:, :kk_p2])
 
 
 @pytest.mark.parametrize(
