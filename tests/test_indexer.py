@@ -10,9 +10,9 @@ import functools
 import numpy as np
 import pytest
 import torch
+from helpers import check_decode_close, triton_interpret_enabled
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import check_decode_close, triton_interpret_enabled
 
 import sparse_mla as flash_mla
 from sparse_mla.indexer.reference import (
