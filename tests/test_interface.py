@@ -8,6 +8,7 @@ started (``triton.jit`` reads it when a kernel is decorated).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import check_decode_close, make_cache, make_problem, triton_interpret_enabled
@@ -77,6 +78,12 @@ def test_get_mla_metadata_returns_empty_meta_and_none():
         flash_mla.get_mla_metadata(num_sms=0)
     with pytest.raises(ValueError, match="num_sms"):
         flash_mla.get_mla_metadata(num_sms=True)
+    for bad in (1025, 8.0, "8"):
+        with pytest.raises(ValueError, match="num_sms"):
+            flash_mla.get_mla_metadata(num_sms=bad)
+    # a NumPy integer is an int here, as in decode_workspace_bytes (same check, one helper)
+    meta_np, _ = flash_mla.get_mla_metadata(num_sms=np.int64(16))
+    assert meta_np.num_sms == 16 and type(meta_np.num_sms) is int
 
 
 def test_seed_schedule_through_api(monkeypatch):

@@ -151,11 +151,16 @@ def get_mla_metadata(*args: Any, num_sms: int | None = None, **kwargs: Any) -> t
     Raises:
         ValueError: ``num_sms`` is not an int in [1, 1024].
     """
-    if num_sms is not None and (
-        isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 0 < num_sms <= MAX_NUM_SMS
-    ):
+    return FlashMLASchedMeta(num_sms=_checked_num_sms(num_sms)), None
+
+
+def _checked_num_sms(num_sms: Any) -> int | None:
+    """``num_sms`` as an int (NumPy integers too) or None; ValueError outside [1, MAX_NUM_SMS]."""
+    if num_sms is None:
+        return None
+    if isinstance(num_sms, bool) or not isinstance(num_sms, numbers.Integral) or not 0 < num_sms <= MAX_NUM_SMS:
         raise ValueError(f"num_sms: expected an int in [1, {MAX_NUM_SMS}] or None, got {num_sms!r}")
-    return FlashMLASchedMeta(num_sms=num_sms), None
+    return int(num_sms)
 
 
 def _device_num_sms(device: torch.device) -> int:
@@ -224,10 +229,7 @@ def decode_workspace_bytes(b: int, s_q: int, h_q: int, num_sms: int | None = Non
         raise ValueError(f"h_q: expected at most {MAX_H_Q}, got {h_q}")
     if d_v != 512:
         raise ValueError(f"d_v: expected 512 (the value head dim of both layouts), got {d_v}")
-    if num_sms is not None:
-        if isinstance(num_sms, bool) or not isinstance(num_sms, numbers.Integral) or not 0 < num_sms <= MAX_NUM_SMS:
-            raise ValueError(f"num_sms: expected an int in [1, {MAX_NUM_SMS}] or None, got {num_sms!r}")
-        num_sms = int(num_sms)
+    num_sms = _checked_num_sms(num_sms)
     if num_sms is None:
         num_sms = cuda_num_sms() if torch.cuda.is_available() else DEFAULT_CPU_NUM_SMS
     parts = max(BACKENDS[name].num_sm_parts(num_sms, s_q, h_q) for name in AUTO_ORDER)
