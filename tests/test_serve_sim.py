@@ -289,3 +289,35 @@ def test_sizes_beyond_the_machine_are_refused_before_any_allocation(monkeypatch)
         ServeSim(cfg, "cpu")
     monkeypatch.setattr(serve_sim, "_available_host_bytes", lambda: host + dev)
     ServeSim(cfg, "cpu")  # exactly enough: accepted
+
+
+def test_the_memory_check_reads_a_container_limit_and_counts_the_cpu_gather(monkeypatch, tmp_path):
+    # a cgroup limit below MemAvailable is what the process may use (a container); on the CPU the
+    # decode's gathered keys (B x topk fp32 rows) count: a huge topk is refused before prefill
+    import builtins
+
+    from sparse_mla.tools import serve_sim
+
+    real_open = builtins.open
+    files = {"/sys/fs/cgroup/memory.max": "1073741824\n", "/sys/fs/cgroup/memory.current": "536870912\n"}
+
+    def fake_open(path, *a, **k):
+        if str(path) in files:
+            p = tmp_path / str(path).replace("/", "_")
+            p.write_text(files[str(path)])
+            return real_open(p, *a, **k)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    avail = serve_sim._available_host_bytes()
+    assert avail is not None and avail <= 512 * 2**20  # the container's 1 GiB limit less its 0.5 GiB use
+    files["/sys/fs/cgroup/memory.max"] = "max\n"
+    assert serve_sim._available_host_bytes() > 512 * 2**20 or serve_sim._available_host_bytes() is None
+    monkeypatch.setattr(builtins, "open", real_open)
+    small = ServeSimConfig(batch=2, max_context=4096, steps=1, topk=64, h_q=1, page_block_size=64)
+    huge = ServeSimConfig(batch=2, max_context=4096, steps=1, topk=4_000_000, h_q=1, page_block_size=64)
+    fits = sum(ServeSim(small, "cpu").memory_estimate())
+    monkeypatch.setattr(serve_sim, "_available_host_bytes", lambda: fits + 2 * 4_000_000 * 576 * 4 - 1)
+    ServeSim(small, "cpu")
+    with pytest.raises(MemoryError, match="host memory"):
+        ServeSim(huge, "cpu")  # (before: prefill ran, then the decode asked for 42 GB)

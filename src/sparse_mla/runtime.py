@@ -70,10 +70,10 @@ def require_runnable(kernel: Any, device: torch.device, *helpers: Any) -> None:
 
 
 def backend_override() -> str | None:
-    """``SPARSE_MLA_BACKEND`` if set and not ``auto`` (for debugging: it replaces a caller's
+    """``SPARSE_MLA_BACKEND`` if set and not ``auto`` or empty (for debugging: it replaces a caller's
     ``backend="auto"``, never an explicit choice). Validated by the dispatcher."""
-    name = os.environ.get("SPARSE_MLA_BACKEND", "auto")
-    return None if name == "auto" else name
+    name = os.environ.get("SPARSE_MLA_BACKEND", "")
+    return None if name in ("", "auto") else name
 
 
 def cuda_num_sms(device: torch.device | int | None = None) -> int:

@@ -182,19 +182,39 @@ class StepTimes:
 
 
 def _available_host_bytes() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` (reclaimable page cache counts), else the physical
-    memory; None where neither can be read."""
+    """The host memory this process may still use: ``MemAvailable`` of ``/proc/meminfo``
+    (reclaimable page cache counts; else the physical memory), less where a cgroup (a container)
+    limits it below that; None where none of them can be read."""
+    avail = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            pass
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
+    ):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max" / a huge number: no limit
+            left = max(int(limit) - usage, 0)
+            avail = left if avail is None else min(avail, left)
+        break
+    return avail
 
 
 def _check_fits(host: int, dev: int, device: torch.device) -> None:
@@ -207,14 +227,15 @@ def _check_fits(host: int, dev: int, device: torch.device) -> None:
     """
     gib = 2.0**30
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free, _total = torch.cuda.mem_get_info(index)
         if dev > free:
-            raise MemoryError(f"needs at least {dev / gib:.1f} GiB on {device}, {free / gib:.1f} GiB free")
+            raise MemoryError(f"needs at least {dev / gib:.2f} GiB on cuda:{index}, {free / gib:.2f} GiB free")
     else:
         host += dev
     avail = _available_host_bytes()
     if avail is not None and host > avail:
-        raise MemoryError(f"needs at least {host / gib:.1f} GiB of host memory, {avail / gib:.1f} GiB available")
+        raise MemoryError(f"needs at least {host / gib:.2f} GiB of host memory, {avail / gib:.2f} GiB available")
 
 
 class ServeSim:
@@ -237,6 +258,8 @@ class ServeSim:
 
     Raises:
         ValueError: bad config or device.
+        MemoryError: the sizes need more memory than the machine has free (checked before anything
+            is allocated, from the lower bounds of :meth:`memory_estimate`).
     """
 
     def __init__(self, cfg: ServeSimConfig, device: str | torch.device = "cpu") -> None:
@@ -276,13 +299,17 @@ class ServeSim:
 
     def memory_estimate(self) -> tuple[int, int]:
         """Lower bounds of the bytes this run holds: ``(host, device)``. Host: the page tables and
-        free-block lists (Python lists: ~40 bytes an entry); device: the paged cache(s) and the
-        step's buffers (on the CPU both are host memory)."""
+        free-block lists while they are built (~48 bytes a block); device: the paged cache(s) and
+        the step's buffers, and on the CPU the decode's gathered keys (``B x topk`` fp32 rows of
+        ``d_qk``: the PyTorch twins and the interpreter gather them; on the CPU both bounds are
+        host memory)."""
         cfg, lay = self.cfg, self.lay
         max_blocks = -(-cfg.max_context // self.pbs)
         blocks = self.B * max_blocks
         host = blocks * 48 + self.B * 64
         dev = blocks * lay.block_bytes(self.pbs) + self.B * (cfg.h_q * lay.d_qk * 2 + self.topk * 8)
+        if self.device.type == "cpu":
+            dev += self.B * self.topk * lay.d_qk * 4
         if cfg.indexer:
             dev += blocks * self.pbs * (cfg.index_dim + 4) + self.B * cfg.max_context * 4
         return host, dev
