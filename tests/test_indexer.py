@@ -532,6 +532,22 @@ def test_topk_register_path_every_phase(ordered):
     assert torch.equal(out.cpu(), want) if ordered else same_index_sets(out, want)
 
 
+@pytest.mark.parametrize(
+    "cfg, key",
+    [({"bisect_cap": 3}, "bisect_cap"), ({"bisect_cap": 0}, "bisect_cap"), ({"bisect_cap": 2.0}, "bisect_cap"),
+     ({"bisect_warps": 3}, "bisect_warps"), ({"bisect_warps": 64}, "bisect_warps"), ({"bisect_warps": True}, "bisect_warps")],
+)  # fmt: skip
+def test_topk_register_path_config_is_checked(cfg, key):
+    # (found by a fresh-user attack: a list capacity of 3 x k or 3 warps left a list or a row that
+    # does not fill every thread: an assertion inside the kernel, or an arange of 192 entries)
+    from sparse_mla.indexer.kernels import launch_topk
+
+    x = torch.randn(1, 200)
+    ends = torch.tensor([0]), torch.tensor([200])
+    with pytest.raises(ValueError, match=f"config: {key} must be a power of two"):
+        launch_topk(x, *ends, torch.empty(1, 64, dtype=torch.int32), 64, 64, config=cfg)
+
+
 @pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")
 @settings(max_examples=20, deadline=None)
 @given(

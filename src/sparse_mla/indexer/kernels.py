@@ -943,7 +943,8 @@ def _topk_bisect_kernel(
 
 #: launch parameters of the top-k: ``bisect``: rows of at most this many entries (rounded up to a
 #: power of two) take :func:`_topk_bisect_kernel` (the row in one program's registers; 0: never), with
-#: up to ``bisect_warps`` warps (fewer for short rows: one per 2048 entries, at least 4); longer rows
+#: up to ``bisect_warps`` warps (fewer for short rows: one per 2048 entries, at least 4) and a list
+#: of up to ``bisect_cap`` x k keys (both powers of two); longer rows
 #: take the radix select: ``bits`` per radix pass of the per-row kernel (a power of two up to
 #: 16), ``block`` row entries a step, ``num_warps``; ``compact`` (8-bit digits): the candidate list's
 #: capacity per row (0: one kernel does every pass over the row); ``programs_per_sm``: the row split
@@ -984,6 +985,10 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
         raise ValueError(f"config: compact needs 8-bit digits, got bits={cfg['bits']!r}")
     if cfg["hist_bits"] not in (4, 8):
         raise ValueError(f"config: hist_bits must be 4 or 8, got {cfg['hist_bits']!r}")
+    for key, top in (("bisect_cap", 64), ("bisect_warps", 32)):  # (the list and the row fill every thread)
+        v = cfg[key]
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top or v & (v - 1):
+            raise ValueError(f"config: {key} must be a power of two from 1 to {top}, got {v!r}")
     rows, n = logits.shape
     k_p2 = triton.next_power_of_2(kk)
     block = min(cfg["block"], max(triton.next_power_of_2(n), 256))
