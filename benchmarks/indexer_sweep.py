@@ -114,8 +114,14 @@ def sweep_topk(quick: bool, rows: list) -> None:
     ref = flash_mla.topk_indices(x, k)
     out = torch.empty(n_rows, k, dtype=torch.int32, device="cuda")
     # the single-kernel select (compact 0) by digit width, block and warps
-    # the register path (rows of up to `bisect` entries: the k-th key bit by bit), by warps
+    # the register path (rows of up to `bisect` entries: the k-th key's top bits, a list, the rest on
+    # it), by warps and list capacity, with 16-byte row loads (an experiment), and its timing stops
+    # (profile 1: load and top bits; 2: + the list; 3: + the list's bits and tie cut)
     configs = [dict(bisect=32768, bisect_warps=w) for w in (8, 16, 32)]
+    configs += [dict(bisect=32768, bisect_cap=c) for c in (1, 4)]
+    configs += [dict(bisect=32768, bisect_vec_load=True)]
+    configs += [dict(bisect=32768, profile=p) for p in (1, 2, 3)]
+    configs += [dict(bisect=32768, bisect_vec_load=True, profile=p) for p in (1, 2)]
     configs += [
         dict(bits=bits, block=block, num_warps=w, compact=0, bisect=0)
         for bits, (block, w) in itertools.product((4, 8), ((2048, 4), (2048, 8)))

@@ -114,9 +114,16 @@ def cases(arch: int):
         SLOTS=False,
         SORTED=False,
         FOR_LOOP=True,
+        VEC=1,
     )
     yield "topk k=2048 bisect, unsorted", K._topk_bisect_kernel, bis, tc["bisect_warps"]
     yield "topk k=2048 bisect, sorted", K._topk_bisect_kernel, {**bis, "SORTED": True}, tc["bisect_warps"]
+    yield (
+        "topk k=2048 bisect, unsorted, 16-byte row loads (experiment)",
+        K._topk_bisect_kernel,
+        {**bis, "VEC": 4},
+        tc["bisect_warps"],
+    )
 
 
 def main() -> int:

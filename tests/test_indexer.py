@@ -499,13 +499,14 @@ def test_topk_kernel_configs_match_twin(n, k, cfg):
 
 
 @pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("ordered", [True, False])
-def test_topk_register_path_every_phase(ordered):
+@pytest.mark.parametrize("ordered, vec_load", [(True, False), (False, False), (True, True)])
+def test_topk_register_path_every_phase(ordered, vec_load):
     # the register path's phases (k 100: a candidate list of cap = 2 x 128 = 256): the top bits
     # until <= 256 keys are at or above them, the list, the rest of the bits on it, the select; a
     # range already within the cap (no top bits); 200 keys tied at the k-th (the list holds them:
     # the tie rule on the list) and 300 (more than the cap: the select pass over the row); all
-    # negative; NaN, +-inf and -0.0 around the k-th; exactly k keys at or above a prefix
+    # negative; NaN, +-inf and -0.0 around the k-th; exactly k keys at or above a prefix; and the
+    # 16-byte row loads of the bisect_vec_load experiment
     from sparse_mla.indexer.kernels import launch_topk
 
     g = torch.Generator().manual_seed(11)
@@ -527,7 +528,7 @@ def test_topk_register_path_every_phase(ordered):
     x[7] = torch.randn(n, generator=g) * 1e-30  # tiny values: the bits run long
     out = torch.empty(8, k, dtype=torch.int32, device=DEVICE)
     args = (x.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE), out, k, k)
-    launch_topk(*args, config={"bisect": 4096, "bisect_cap": 2}, ordered=ordered)
+    launch_topk(*args, config={"bisect": 4096, "bisect_cap": 2, "bisect_vec_load": vec_load}, ordered=ordered)
     want = topk_indices_reference(x, k, lo, hi)
     assert torch.equal(out.cpu(), want) if ordered else same_index_sets(out, want)
 

@@ -864,13 +864,21 @@ def _bisect_down(ukey, kth, cnt, b, kk, stop):
 
 
 @triton.jit
-def _column_slots(sel, THREADS: tl.constexpr):
-    """Slots ``0..`` of the ``True`` entries of ``sel`` (one entry per thread in turn: entry ``i``
-    of thread ``t`` is ``sel[i * THREADS + t]``) taken thread by thread: a scan within each thread
-    and one over the ``THREADS`` thread totals, in place of a scan across threads per entry."""
-    f = tl.reshape(sel.to(tl.int32), [sel.shape[0] // THREADS, THREADS])
-    col = tl.sum(f, axis=0)
-    return tl.reshape((tl.cumsum(col, axis=0) - col)[None, :] + tl.cumsum(f, axis=0) - f, [sel.shape[0]])
+def _column_slots(sel, THREADS: tl.constexpr, VEC: tl.constexpr = 1):
+    """Slots ``0..`` of the ``True`` entries of ``sel`` taken thread by thread, for a layout of
+    ``VEC`` consecutive entries a thread in turn (entry ``(i * THREADS + t) * VEC + v`` is thread
+    ``t``'s ``i``-th vector's ``v``-th): scans within each thread and one over the ``THREADS``
+    thread totals, in place of a scan across threads for each step of the tensor."""
+    if VEC == 1:
+        f = tl.reshape(sel.to(tl.int32), [sel.shape[0] // THREADS, THREADS])
+        col = tl.sum(f, axis=0)
+        return tl.reshape((tl.cumsum(col, axis=0) - col)[None, :] + tl.cumsum(f, axis=0) - f, [sel.shape[0]])
+    else:
+        f = tl.reshape(sel.to(tl.int32), [sel.shape[0] // (THREADS * VEC), THREADS, VEC])
+        vec = tl.sum(f, axis=2)
+        col = tl.sum(vec, axis=0)
+        before = (tl.cumsum(col, axis=0) - col)[None, :] + tl.cumsum(vec, axis=0) - vec
+        return tl.reshape(before[:, :, None] + tl.cumsum(f, axis=2) - f, [sel.shape[0]])
 
 
 @triton.jit
@@ -887,7 +895,7 @@ def _topk_bisect_kernel(
     bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr,
     N_P2: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr, CAP: tl.constexpr, THREADS: tl.constexpr,
     TIE_BITS: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr, FOR_LOOP: tl.constexpr,
-    STOP: tl.constexpr = 0,
+    STOP: tl.constexpr = 0, VEC: tl.constexpr = 1,
 ):  # fmt: skip
     """Grid ``(rows,)``, rows of at most ``N_P2`` entries (``2^TIE_BITS``), ``THREADS`` threads a program: the row's
     keys read once into registers (entry ``i`` of thread ``t``: position ``i * THREADS + t``); the
@@ -898,14 +906,15 @@ def _topk_bisect_kernel(
     gathered into the scratch; the output as :func:`_topk_kernel` (without ``SORTED``: in the
     gathered order, the same on every call). More than ``CAP`` keys equal to the k-th (all 32 bits
     found) take the select pass over the row instead. ``STOP`` (timing only, wrong results): 1 ends
-    after the top bits, 2 after the list, 3 before the output."""
+    after the top bits, 2 after the list, 3 before the output. ``VEC`` 4 (an experiment, not yet
+    timed): 16-byte loads of the row (the list's scatter store then converts the layout)."""
     tl.static_assert(N_P2 % THREADS == 0 and CAP % THREADS == 0, "rows and lists fill every thread")
     r = tl.program_id(0)
     row_ptr = x_ptr + r.to(tl.int64) * stride_xr
     lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
     scr = scr_ptr + r.to(tl.int64) * stride_sr
     if kk > 0:
-        pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=True)
+        pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=VEC == 1)
         ukey = tl.where(valid, ukey, 0)  # (0: out of range)
         # the top bits: cnt = valid keys >= kth (every key's is > 0, so kth 0 counts them all)
         kth, cnt, b = _bisect_down(ukey, tl.zeros([], tl.uint32), hi - lo, tl.zeros([], tl.int32), kk, CAP)
@@ -914,7 +923,7 @@ def _topk_bisect_kernel(
         elif cnt <= CAP:
             sel = ukey >= tl.maximum(kth, 1)
             cand = cand_ptr + r.to(tl.int64) * stride_cr
-            tl.store(cand + _column_slots(sel, THREADS), _rank_keys(ukey, pos), mask=sel)
+            tl.store(cand + _column_slots(sel, THREADS, VEC), _rank_keys(ukey, pos), mask=sel)
             tl.debug_barrier()  # every thread's candidates before any thread's loads
             if STOP != 2:
                 i = tl.arange(0, CAP) ^ (hi < lo).to(tl.int32)  # (one entry per load, as the row's)
@@ -944,7 +953,8 @@ def _topk_bisect_kernel(
 #: launch parameters of the top-k: ``bisect``: rows of at most this many entries (rounded up to a
 #: power of two) take :func:`_topk_bisect_kernel` (the row in one program's registers; 0: never), with
 #: up to ``bisect_warps`` warps (fewer for short rows: one per 2048 entries, at least 4) and a list
-#: of up to ``bisect_cap`` x k keys (both powers of two); longer rows
+#: of up to ``bisect_cap`` x k keys (both powers of two; ``bisect_vec_load``: the row read by 16-byte
+#: loads, an experiment); longer rows
 #: take the radix select: ``bits`` per radix pass of the per-row kernel (a power of two up to
 #: 16), ``block`` row entries a step, ``num_warps``; ``compact`` (8-bit digits): the candidate list's
 #: capacity per row (0: one kernel does every pass over the row); ``programs_per_sm``: the row split
@@ -998,7 +1008,8 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     n_p2 = triton.next_power_of_2(n)
     if n_p2 <= int(cfg["bisect"]):  # the row fits in one program's registers
         warps = min(int(cfg["bisect_warps"]), max(4, n_p2 // 2048))
-        n_p2 = max(n_p2, 32 * warps)  # every thread holds an entry
+        vec = 4 if cfg.get("bisect_vec_load") else 1
+        n_p2 = max(n_p2, 32 * warps * vec)  # every thread holds an entry (a vector)
         cap = min(n_p2, max(k_p2 * int(cfg["bisect_cap"]), k_p2, 32 * warps))
         ws = torch.empty((rows, k_p2 + cap), dtype=torch.int64, device=logits.device)
         scratch, cand = ws[:, :k_p2], ws[:, k_p2:]
@@ -1007,7 +1018,8 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
             bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
             cand, cand.stride(0),
             N_P2=n_p2, BLOCK=block, K_P2=k_p2, CAP=cap, THREADS=32 * warps, TIE_BITS=n_p2.bit_length() - 1, SLOTS=slots, SORTED=bool(ordered),
-            FOR_LOOP=for_loop, STOP=int(cfg.get("profile", 0)), num_warps=warps,
+            FOR_LOOP=for_loop, STOP=int(cfg.get("profile", 0)), VEC=vec,
+            num_warps=warps,
         )  # fmt: skip
         return
     hb = cfg["hist_bits"]
