@@ -129,14 +129,19 @@ def main(argv=None) -> int:
     print(
         f"# ceilings: device copy {copy_gbs:.0f} GB/s, FP8 matmul {fp8 or float('nan'):.0f} TFLOP/s, bf16 {bf16_tflops:.0f}"
     )
-    rows = [bench_paged(args.quick, copy_gbs), bench_prefill(args.quick, peak), bench_topk(args.quick, copy_gbs)]
-    for r in rows:
-        print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-    path = harness.write_results(
-        "indexer",
-        dict(copy_gbs=copy_gbs, fp8_tflops=fp8, bf16_tflops=bf16_tflops, quick=args.quick, rows=rows),
-        args.json,
-    )
+    rows: list[dict] = []
+    path = None
+    # each row is printed and the results file rewritten as soon as it is measured, so that a run
+    # cut short by a time limit keeps what it measured
+    for bench in (lambda: bench_paged(args.quick, copy_gbs), lambda: bench_prefill(args.quick, peak),
+                  lambda: bench_topk(args.quick, copy_gbs)):  # fmt: skip
+        rows.append(bench())
+        print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+        path = harness.write_results(
+            "indexer",
+            dict(copy_gbs=copy_gbs, fp8_tflops=fp8, bf16_tflops=bf16_tflops, quick=args.quick, rows=rows),
+            args.json if path is None else path,
+        )
     print(f"results: {path}")
     return 0
 
