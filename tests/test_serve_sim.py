@@ -219,6 +219,7 @@ def test_cli_no_numpy_warnings_for_blocks_without_valid_keys():
         (["--min-context", "0"], "--min-context"),
         (["--page-block-size", "0"], "--page-block-size"),
         (["--num-sms", "0"], "--num-sms"),
+        (["--num-sms", "1025"], "--num-sms"),  # (before: checked only by get_mla_metadata, after allocations)
         (["--seed", "-1"], "--seed"),
         (["--indexer", "--index-dim", "20"], "--index-dim"),
         (["--indexer", "--index-heads", "0"], "--index-heads"),

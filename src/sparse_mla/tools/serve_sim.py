@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from ..formats import get_layout, quantize_k_cache
-from ..plan import get_mla_metadata
+from ..plan import MAX_NUM_SMS, get_mla_metadata
 
 __all__ = [
     "ServeSimConfig",
@@ -142,9 +142,9 @@ class ServeSimConfig:
                 "and one warm-up step; raise max_context or lower min_context/steps"
             )
         if self.num_sms is not None and (
-            isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or self.num_sms < 1
+            isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or not 1 <= self.num_sms <= MAX_NUM_SMS
         ):
-            raise ValueError(f"num_sms: expected a positive int or None, got {self.num_sms!r}")
+            raise ValueError(f"num_sms: expected an int in [1, {MAX_NUM_SMS}] or None, got {self.num_sms!r}")
 
     def resolved_min_context(self) -> int:
         return max(1, self.max_context // 8) if self.min_context is None else self.min_context
