@@ -564,10 +564,19 @@ def _pick_digit(hist, prefix, rem, BITS: tl.constexpr):
 
 
 @triton.jit
-def _cand_chunk(cand, start, n_c, BLOCK: tl.constexpr):
+def _rank_keys(key, pos):
+    """The select's int64 rank keys: the (signed) key in the high word, ``2^32 - 1 - position`` in
+    the low (larger = better; ties by lower position); :func:`_cand_chunk` reads them back."""
+    return key.to(tl.int64) * 4294967296 + (4294967295 - pos.to(tl.int64))
+
+
+@triton.jit
+def _cand_chunk(cand, start, n_c, BLOCK: tl.constexpr, SCALAR: tl.constexpr = False):
     """Entries ``[start, start + BLOCK)`` of a candidate list of rank keys (``n_c`` long) as
-    ``_row_chunk`` gives a row's: ``(pos, valid, key, ukey)``."""
+    ``_row_chunk`` gives a row's: ``(pos, valid, key, ukey)`` (``SCALAR`` as there)."""
     i = start + tl.arange(0, BLOCK)
+    if SCALAR:  # (n_c >= 0: a zero the compiler cannot see)
+        i = i ^ (n_c < 0).to(tl.int32)
     valid = i < n_c
     comp = tl.load(cand + i, mask=valid, other=0)
     hi32 = comp >> 32
@@ -635,7 +644,7 @@ def _split_keys(pos, valid, key, ukey, prefix16, n_gt, n_c, scr, cand):
     top = ukey >> 16
     gt = valid & (top > prefix16)
     eq = valid & (top == prefix16)
-    comp = key.to(tl.int64) * 4294967296 + (4294967295 - pos.to(tl.int64))
+    comp = _rank_keys(key, pos)
     packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # one scan for both counts (as _select_keys)
     before = tl.cumsum(packed, axis=0) - packed
     tl.store(scr + n_gt + (before & 0xFFFF), comp, mask=gt)
@@ -659,7 +668,7 @@ def _select_keys(pos, valid, key, ukey, kth, need_eq, n_w, n_eq, dst):
     sel = gt | (eq & (eq_before < need_eq))
     done_eq = tl.minimum(n_eq, need_eq)
     slot = n_w + (before & 0xFFFF) + tl.minimum(eq_before, need_eq) - done_eq
-    comp = key.to(tl.int64) * 4294967296 + (4294967295 - pos.to(tl.int64))
+    comp = _rank_keys(key, pos)
     tl.store(dst + slot, comp, mask=sel)
     tot = tl.sum(packed, axis=0)
     n_eq_new = n_eq + (tot >> 16)
@@ -882,14 +891,6 @@ def _column_slots(sel, THREADS: tl.constexpr, VEC: tl.constexpr = 1):
 
 
 @triton.jit
-def _rank_keys(ukey, pos):
-    """The select's int64 rank keys: the key in the high word, ``2^32 - 1 - position`` in the low
-    (larger = better; ties by lower position)."""
-    key = ukey.to(tl.int32, bitcast=True) ^ -2147483648
-    return key.to(tl.int64) * 4294967296 + (4294967295 - pos.to(tl.int64))
-
-
-@triton.jit
 def _topk_bisect_kernel(
     x_ptr, stride_xr, lo_ptr, hi_ptr, scr_ptr, stride_sr, out_ptr, stride_or, n, k,
     bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr,
@@ -923,19 +924,17 @@ def _topk_bisect_kernel(
         elif cnt <= CAP:
             sel = ukey >= tl.maximum(kth, 1)
             cand = cand_ptr + r.to(tl.int64) * stride_cr
-            tl.store(cand + _column_slots(sel, THREADS, VEC), _rank_keys(ukey, pos), mask=sel)
+            key = ukey.to(tl.int32, bitcast=True) ^ -2147483648
+            tl.store(cand + _column_slots(sel, THREADS, VEC), _rank_keys(key, pos), mask=sel)
             tl.debug_barrier()  # every thread's candidates before any thread's loads
             if STOP != 2:
-                i = tl.arange(0, CAP) ^ (hi < lo).to(tl.int32)  # (one entry per load, as the row's)
-                c_valid = i < cnt
-                comp = tl.load(cand + i, mask=c_valid, other=0)
-                c_ukey = tl.where(c_valid, ((comp >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True), 0)
+                c_pos, c_valid, c_key, c_ukey = _cand_chunk(cand, 0, cnt, CAP, SCALAR=True)  # (as the row's)
+                c_ukey = tl.where(c_valid, c_ukey, 0)
                 kth, cnt, b = _bisect_down(c_ukey, kth, cnt, b, kk, kk)
                 # the entries above the k-th key, and of those equal to it the `need` lowest positions
                 # (tie key N_P2 - position among them, 0 for the rest: the largest `need` of it)
                 n_gt = tl.sum((c_ukey > kth).to(tl.int32))
                 eq = c_valid & (c_ukey == kth)
-                c_pos = (4294967295 - (comp & 4294967295)).to(tl.int32)
                 tie = tl.where(eq, N_P2 - c_pos, 0).to(tl.uint32)
                 cut = tl.zeros([], tl.uint32)
                 if cnt > kk:  # (only when all 32 bits are found: then kk > n_gt)
@@ -943,7 +942,7 @@ def _topk_bisect_kernel(
                     cut, _c, _b = _bisect_down(tie, cut, cnt - n_gt, b, kk - n_gt, kk - n_gt)
                 take = (c_ukey > kth) | (eq & (tie >= cut))
                 if STOP == 0:
-                    tl.store(scr + _column_slots(take, THREADS), comp, mask=take)
+                    tl.store(scr + _column_slots(take, THREADS), _rank_keys(c_key, c_pos), mask=take)
         else:  # all 32 bits found and more than CAP keys equal to the k-th: the row again
             n_gt = tl.sum((ukey > kth).to(tl.int32))
             _select_pass(row_ptr, lo, hi, (lo // BLOCK) * BLOCK, kth, kk - n_gt, 0, scr, BLOCK, FOR_LOOP)
