@@ -543,10 +543,10 @@ def test_topk_register_path_config_is_checked(cfg, key):
     # does not fill every thread: an assertion inside the kernel, or an arange of 192 entries)
     from sparse_mla.indexer.kernels import launch_topk
 
-    x = torch.randn(1, 200)
-    ends = torch.tensor([0]), torch.tensor([200])
+    x = torch.randn(1, 200, device=DEVICE)
+    ends = torch.tensor([0], device=DEVICE), torch.tensor([200], device=DEVICE)
     with pytest.raises(ValueError, match=f"config: {key} must be a power of two"):
-        launch_topk(x, *ends, torch.empty(1, 64, dtype=torch.int32), 64, 64, config=cfg)
+        launch_topk(x, *ends, torch.empty(1, 64, dtype=torch.int32, device=DEVICE), 64, 64, config=cfg)
 
 
 @pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")

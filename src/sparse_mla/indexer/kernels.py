@@ -907,7 +907,7 @@ def _topk_bisect_kernel(
     gathered into the scratch; the output as :func:`_topk_kernel` (without ``SORTED``: in the
     gathered order, the same on every call). More than ``CAP`` keys equal to the k-th (all 32 bits
     found) take the select pass over the row instead. ``STOP`` (timing only, wrong results): 1 ends
-    after the top bits, 2 after the list, 3 before the output. ``VEC`` 4 (an experiment, not yet
+    after the top bits, 2 after the list, 3 before the output, 4 after the row's load (no bits). ``VEC`` 4 (an experiment, not yet
     timed): 16-byte loads of the row (the list's scatter store then converts the layout)."""
     tl.static_assert(N_P2 % THREADS == 0 and CAP % THREADS == 0, "rows and lists fill every thread")
     r = tl.program_id(0)
@@ -918,8 +918,11 @@ def _topk_bisect_kernel(
         pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=VEC == 1)
         ukey = tl.where(valid, ukey, 0)  # (0: out of range)
         # the top bits: cnt = valid keys >= kth (every key's is > 0, so kth 0 counts them all)
-        kth, cnt, b = _bisect_down(ukey, tl.zeros([], tl.uint32), hi - lo, tl.zeros([], tl.int32), kk, CAP)
-        if STOP == 1:
+        stop = N_P2 if STOP == 4 else CAP  # (4: no bits, the load alone)
+        kth, cnt, b = _bisect_down(ukey, tl.zeros([], tl.uint32), hi - lo, tl.zeros([], tl.int32), kk, stop)
+        if STOP == 4:
+            tl.store(scr, kth.to(tl.int64) + cnt + tl.sum(ukey.to(tl.int64)))
+        elif STOP == 1:
             tl.store(scr, kth.to(tl.int64) + cnt)
         elif cnt <= CAP:
             sel = ukey >= tl.maximum(kth, 1)
@@ -979,11 +982,6 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     ``< next_power_of_2(kk)`` (``kk = min(k, n)``; the caller fills any column past that). With ``table`` (``[b, max_blocks]`` int32/int64, entries
     contiguous, ``b = rows / next_n``) the positions become cache slots as
     :func:`sparse_mla.serving.reference.abs_indices_to_kvcache_indices` maps them."""
-    require_runnable(
-        _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
-        _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
-        _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel, _bisect_down, _column_slots, _rank_keys,
-    )  # fmt: skip
     cfg = {**TOPK_CONFIG, **(config or {})}
     if cfg["bits"] not in (1, 2, 4, 8, 16):
         raise ValueError(f"config: bits must divide 32 (a power of two up to 16), got {cfg['bits']!r}")
@@ -998,6 +996,11 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
         v = cfg[key]
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top or v & (v - 1):
             raise ValueError(f"config: {key} must be a power of two from 1 to {top}, got {v!r}")
+    require_runnable(
+        _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
+        _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
+        _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel, _bisect_down, _column_slots, _rank_keys,
+    )  # fmt: skip
     rows, n = logits.shape
     k_p2 = triton.next_power_of_2(kk)
     block = min(cfg["block"], max(triton.next_power_of_2(n), 256))
