@@ -521,21 +521,40 @@ def _key32(x):
 
 
 @triton.jit
-def _row_chunk(row_ptr, start, lo, hi, BLOCK: tl.constexpr, SCALAR: tl.constexpr = False):
+def _scalar_positions(start, one, BLOCK: tl.constexpr, THREADS: tl.constexpr):
+    """``start + [0, BLOCK)`` as the compiler must load them one entry per instruction (so the
+    tensors keep the layout of a scatter by position: entry ``i * THREADS + t`` in thread ``t``):
+    the thread's part is multiplied by ``one``, a 1 the compiler cannot see. Returns the positions
+    (int32) and the same as int64 sums of a per-thread and a per-entry constant part, so that a
+    thread's loads share one address and differ by immediate offsets (an ``xor`` with a hidden 0,
+    or int32 positions widened per entry, cost a 64-bit address, two registers, per load: the row
+    then loaded in 8 batches, one memory latency each)."""
+    i = tl.arange(0, BLOCK // THREADS)[:, None] * THREADS
+    t = tl.arange(0, THREADS)[None, :] * one
+    pos = tl.reshape(start + i + t, [BLOCK])
+    off = tl.reshape((start + t).to(tl.int64) + i.to(tl.int64), [BLOCK])
+    return pos, off
+
+
+@triton.jit
+def _row_chunk(row_ptr, start, lo, hi, BLOCK: tl.constexpr, SCALAR: tl.constexpr = 0):
     """``(pos, valid, key, ukey)`` of row entries ``[start, start + BLOCK)`` (``valid``: within ``[lo,
-    hi)``). ``SCALAR``: one entry per load instruction, so the tensors take the layout of a scatter
-    by position (no layout conversion before one)."""
-    pos = start + tl.arange(0, BLOCK)
-    if SCALAR:  # (hi >= lo: a zero the compiler cannot see, so the positions are not contiguous to it)
-        pos = pos ^ (hi < lo).to(tl.int32)
+    hi)``). ``SCALAR`` (the program's threads): one entry per load instruction, entry ``i * SCALAR +
+    t`` in thread ``t``, so the tensors take the layout of a scatter by position (no layout
+    conversion before one)."""
+    if SCALAR:  # (hi >= lo: when not, no entry is valid whatever the positions)
+        pos, off = _scalar_positions(start, (hi >= lo).to(tl.int32), BLOCK, SCALAR)
+    else:
+        pos = start + tl.arange(0, BLOCK)
+        off = pos
     valid = (pos >= lo) & (pos < hi)
     if row_ptr.dtype.element_ty == tl.bfloat16:
         # bf16 -> fp32 as bits (exact; Triton's interpreter, 3.6-3.9, turns bf16 subnormals into
         # other values when it converts them, which reorders the top-k of tiny logits)
-        bits = tl.load(row_ptr.to(tl.pointer_type(tl.int16)) + pos, mask=valid, other=0)
+        bits = tl.load(row_ptr.to(tl.pointer_type(tl.int16)) + off, mask=valid, other=0)
         x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
-        x = tl.load(row_ptr + pos, mask=valid, other=0.0).to(tl.float32)
+        x = tl.load(row_ptr + off, mask=valid, other=0.0).to(tl.float32)
     key = _key32(x)
     ukey = (key ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order
     return pos, valid, key, ukey
@@ -571,14 +590,16 @@ def _rank_keys(key, pos):
 
 
 @triton.jit
-def _cand_chunk(cand, start, n_c, BLOCK: tl.constexpr, SCALAR: tl.constexpr = False):
+def _cand_chunk(cand, start, n_c, BLOCK: tl.constexpr, SCALAR: tl.constexpr = 0):
     """Entries ``[start, start + BLOCK)`` of a candidate list of rank keys (``n_c`` long) as
     ``_row_chunk`` gives a row's: ``(pos, valid, key, ukey)`` (``SCALAR`` as there)."""
-    i = start + tl.arange(0, BLOCK)
-    if SCALAR:  # (n_c >= 0: a zero the compiler cannot see)
-        i = i ^ (n_c < 0).to(tl.int32)
+    if SCALAR:  # (n_c >= 0: when not, no entry is valid)
+        i, off = _scalar_positions(start, (n_c >= 0).to(tl.int32), BLOCK, SCALAR)
+    else:
+        i = start + tl.arange(0, BLOCK)
+        off = i
     valid = i < n_c
-    comp = tl.load(cand + i, mask=valid, other=0)
+    comp = tl.load(cand + off, mask=valid, other=0)
     hi32 = comp >> 32
     key = hi32.to(tl.int32)
     pos = (4294967295 - (comp - (hi32 << 32))).to(tl.int32)
@@ -915,7 +936,7 @@ def _topk_bisect_kernel(
     lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
     scr = scr_ptr + r.to(tl.int64) * stride_sr
     if kk > 0:
-        pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=VEC == 1)
+        pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=THREADS if VEC == 1 else 0)
         ukey = tl.where(valid, ukey, 0)  # (0: out of range)
         # the top bits: cnt = valid keys >= kth (every key's is > 0, so kth 0 counts them all)
         stop = N_P2 if STOP == 4 else CAP  # (4: no bits, the load alone)
@@ -931,7 +952,7 @@ def _topk_bisect_kernel(
             tl.store(cand + _column_slots(sel, THREADS, VEC), _rank_keys(key, pos), mask=sel)
             tl.debug_barrier()  # every thread's candidates before any thread's loads
             if STOP != 2:
-                c_pos, c_valid, c_key, c_ukey = _cand_chunk(cand, 0, cnt, CAP, SCALAR=True)  # (as the row's)
+                c_pos, c_valid, c_key, c_ukey = _cand_chunk(cand, 0, cnt, CAP, SCALAR=THREADS)  # (as the row's)
                 c_ukey = tl.where(c_valid, c_ukey, 0)
                 kth, cnt, b = _bisect_down(c_ukey, kth, cnt, b, kk, kk)
                 # the entries above the k-th key, and of those equal to it the `need` lowest positions
@@ -1000,6 +1021,7 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
         _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
         _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
         _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel, _bisect_down, _column_slots, _rank_keys,
+        _scalar_positions,
     )  # fmt: skip
     rows, n = logits.shape
     k_p2 = triton.next_power_of_2(kk)
