@@ -533,6 +533,25 @@ def test_topk_register_path_every_phase(ordered, vec_load):
     assert torch.equal(out.cpu(), want) if ordered else same_index_sets(out, want)
 
 
+@needs_kernels
+@pytest.mark.parametrize("path", [{}, {"bisect": 0}, {"bisect": 0, "compact": 0}])
+def test_topk_without_ranges_matches_full_ranges(path):
+    # no row_starts / row_ends: the kernels take [0, n) without range tensors (nothing to fill)
+    from sparse_mla.indexer.kernels import launch_topk
+
+    g = torch.Generator().manual_seed(7)
+    rows, n, k = 3, 700, 40
+    x = torch.randn(rows, n, generator=g).to(DEVICE)
+    x[1, 5:300] = 0.25  # ties at the k-th value
+    got = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
+    want = torch.empty_like(got)
+    launch_topk(x, None, None, got, k, k, config=path)
+    ends = torch.zeros(rows, dtype=torch.int64, device=DEVICE), torch.full((rows,), n, device=DEVICE)
+    launch_topk(x, *ends, want, k, k, config=path)
+    assert torch.equal(got.cpu(), want.cpu())
+    assert torch.equal(got.cpu(), topk_indices_reference(x.cpu(), k))
+
+
 @pytest.mark.parametrize(
     "cfg, key",
     [({"bisect_cap": 3}, "bisect_cap"), ({"bisect_cap": 0}, "bisect_cap"), ({"bisect_cap": 2.0}, "bisect_cap"),

@@ -698,9 +698,16 @@ def _select_keys(pos, valid, key, ukey, kth, need_eq, n_w, n_eq, dst):
 
 @triton.jit
 def _row_bounds(lo_ptr, hi_ptr, r, n, k):
-    """Row ``r``'s candidate range ``[lo, hi)`` clamped to ``[0, n]``, and ``min(hi - lo, k)``."""
-    lo = tl.minimum(tl.maximum(tl.load(lo_ptr + r), 0), n).to(tl.int32)
-    hi = tl.minimum(tl.maximum(tl.load(hi_ptr + r), lo), n).to(tl.int32)
+    """Row ``r``'s candidate range ``[lo, hi)`` clamped to ``[0, n]``, and ``min(hi - lo, k)``
+    (``lo_ptr`` / ``hi_ptr`` None: 0 / ``n``)."""
+    if lo_ptr is None:
+        lo = tl.zeros([], tl.int32)
+    else:
+        lo = tl.minimum(tl.maximum(tl.load(lo_ptr + r), 0), n).to(tl.int32)
+    if hi_ptr is None:
+        hi = tl.maximum(n, lo).to(tl.int32)
+    else:
+        hi = tl.minimum(tl.maximum(tl.load(hi_ptr + r), lo), n).to(tl.int32)
     return lo, hi, tl.minimum(hi - lo, k)
 
 
@@ -997,7 +1004,7 @@ _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256]
 
 def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_n=1, config=None, ordered=True) -> None:
     """``logits [rows, n]`` (row stride any, entries contiguous), ``lo``/``hi`` ``[rows]`` int32 or
-    int64 (clamped to ``[0, n]`` here),
+    int64 (clamped to ``[0, n]`` here) or None (every row from 0 / to ``n``: no tensors to fill),
     ``out [rows, k]`` int32 (entries contiguous): each row's ``min(k, hi - lo)`` best positions in
     rank order (``ordered``; else in no set order) and ``-1`` after them, in columns
     ``< next_power_of_2(kk)`` (``kk = min(k, n)``; the caller fills any column past that). With ``table`` (``[b, max_blocks]`` int32/int64, entries
@@ -1024,10 +1031,14 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
         _scalar_positions,
     )  # fmt: skip
     rows, n = logits.shape
+    if n == 1 and (lo is None or hi is None):  # (Triton compiles n == 1 as a constant; a row of constant
+        # bounds then fails its coalesce pass, so such rows get range tensors)
+        z = torch.zeros(rows, dtype=torch.int32, device=logits.device)
+        lo, hi = (z if lo is None else lo), (z + 1 if hi is None else hi)
     k_p2 = triton.next_power_of_2(kk)
     block = min(cfg["block"], max(triton.next_power_of_2(n), 256))
     slots = table is not None
-    bt = table if slots else lo
+    bt = table if slots else out  # (a placeholder when there is no table: never read)
     for_loop = not interpreting()
     n_p2 = triton.next_power_of_2(n)
     if n_p2 <= int(cfg["bisect"]):  # the row fits in one program's registers

@@ -115,8 +115,8 @@ def _topk(
         from .kernels import launch_topk
 
         x = logits if logits.stride(1) == 1 else logits.contiguous()
-        lo = torch.zeros(rows, dtype=torch.int32, device=dev) if lo is None else lo.contiguous()
-        hi = torch.full((rows,), n, dtype=torch.int64, device=dev) if hi is None else hi.contiguous()
+        lo = None if lo is None else lo.contiguous()  # (None: from 0 / to n, nothing to fill)
+        hi = None if hi is None else hi.contiguous()
         covered = k <= _next_pow2(kk)  # the kernel writes columns < next_pow2(kk)
         out = torch.empty((rows, k), dtype=torch.int32, device=dev) if covered else _minus_one((rows, k), dev)
         launch_topk(x, lo, hi, out, k, kk, table, page_block_size, next_n, ordered=ordered)
