@@ -115,8 +115,15 @@ def cases(arch: int):
         SORTED=False,
         FOR_LOOP=True,
         VEC=1,
+        PACK16=tc["bisect_pack16"],
     )
     yield "topk k=2048 bisect, unsorted", K._topk_bisect_kernel, bis, tc["bisect_warps"]
+    yield (
+        "topk k=2048 bisect, unsorted, 32-bit top bits",
+        K._topk_bisect_kernel,
+        {**bis, "PACK16": False},
+        tc["bisect_warps"],
+    )
     yield "topk k=2048 bisect, sorted", K._topk_bisect_kernel, {**bis, "SORTED": True}, tc["bisect_warps"]
     yield (
         "topk k=2048 bisect, unsorted, 16-byte row loads (experiment)",

@@ -499,21 +499,25 @@ def test_topk_kernel_configs_match_twin(n, k, cfg):
 
 
 @pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("ordered, vec_load", [(True, False), (False, False), (True, True)])
-def test_topk_register_path_every_phase(ordered, vec_load):
+@pytest.mark.parametrize(
+    "ordered, vec_load, pack16", [(True, False, True), (False, False, True), (True, False, False), (True, True, False)]
+)
+def test_topk_register_path_every_phase(ordered, vec_load, pack16):
     # the register path's phases (k 100: a candidate list of cap = 2 x 128 = 256): the top bits
     # until <= 256 keys are at or above them, the list, the rest of the bits on it, the select; a
     # range already within the cap (no top bits); 200 keys tied at the k-th (the list holds them:
     # the tie rule on the list) and 300 (more than the cap: the select pass over the row); all
     # negative; NaN, +-inf and -0.0 around the k-th; exactly k keys at or above a prefix; and the
-    # 16-byte row loads of the bisect_vec_load experiment
+    # 16-byte row loads of the bisect_vec_load experiment; the top bits two keys a register
+    # (pack16) or not, on rows whose k-th key lies among NaN / -inf, whose keys share their top 17
+    # bits (the packed bits find nothing), and of subnormals of both signs
     from sparse_mla.indexer.kernels import launch_topk
 
     g = torch.Generator().manual_seed(11)
     n, k = 3000, 100
-    x = torch.randn(8, n, generator=g)
-    lo = torch.zeros(8, dtype=torch.int64)
-    hi = torch.full((8,), n, dtype=torch.int64)
+    x = torch.randn(11, n, generator=g)
+    lo = torch.zeros(11, dtype=torch.int64)
+    hi = torch.full((11,), n, dtype=torch.int64)
     lo[1], hi[1] = 1000, 1200  # 200 entries: within the cap
     x[2, :60] = 9.0
     x[2, 500:700] = 5.0  # 60 above, 200 tied at the k-th: 40 of them by position
@@ -526,9 +530,15 @@ def test_topk_register_path_every_phase(ordered, vec_load):
     x[5, 3::17] = -0.0
     x[6] = torch.arange(n, dtype=torch.float32) / 4096  # exactly k keys >= a bit prefix often
     x[7] = torch.randn(n, generator=g) * 1e-30  # tiny values: the bits run long
-    out = torch.empty(8, k, dtype=torch.int32, device=DEVICE)
+    x[8] = float("nan")
+    x[8, :50] = torch.randn(50, generator=g)
+    x[8, 50:80] = float("-inf")  # 50 finite, 30 -inf, then NaN by position
+    x[9] = 1.0 + torch.arange(n, dtype=torch.float32) * 2.0**-23  # one top 17 bits for all
+    x[10] = torch.randn(n, generator=g).sign() * 1e-40 * torch.rand(n, generator=g)  # subnormals
+    out = torch.empty(11, k, dtype=torch.int32, device=DEVICE)
     args = (x.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE), out, k, k)
-    launch_topk(*args, config={"bisect": 4096, "bisect_cap": 2, "bisect_vec_load": vec_load}, ordered=ordered)
+    cfg = {"bisect": 4096, "bisect_cap": 2, "bisect_vec_load": vec_load, "bisect_pack16": pack16}
+    launch_topk(*args, config=cfg, ordered=ordered)
     want = topk_indices_reference(x, k, lo, hi)
     assert torch.equal(out.cpu(), want) if ordered else same_index_sets(out, want)
 

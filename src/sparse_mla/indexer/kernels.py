@@ -886,14 +886,81 @@ def _emit_topk(
 
 
 @triton.jit
-def _bisect_down(ukey, kth, cnt, b, kk, stop):
-    """Bits ``b..31`` of the k-th best key, from the top, while more than ``stop`` keys are at or
+def _bisect_down(ukey, kth, cnt, b, kk, stop, END: tl.constexpr = 32):
+    """Bits ``b..END-1`` (from the top) of the k-th best key, while more than ``stop`` keys are at or
     above it: ``kth`` holds the bits found (the largest value with at least ``kk`` keys of ``ukey``
     at or above it so far), ``cnt`` how many are. A bit is a count of the keys at or above
     ``kth | bit``: a compare and an add per entry, no histogram. Returns ``(kth, cnt, b)``."""
-    while (b < 32) & (cnt > stop):
+    while (b < END) & (cnt > stop):
         cand = kth | (tl.full([], 0x80000000, tl.uint32) >> b.to(tl.uint32))
         c = tl.sum((ukey >= cand).to(tl.int32))
+        kth = tl.where(c >= kk, cand, kth)
+        cnt = tl.where(c >= kk, c, cnt)
+        b += 1
+    return kth, cnt, b
+
+
+@triton.jit
+def _f16x2_ge(p, c, ASM: tl.constexpr):
+    """Per 16-bit lane of int32 ``p`` / ``c`` (fp16 bit patterns of whole lanes up to 0x3FFF):
+    ``p >= c`` as fp16 1.0 / 0.0 (``ASM``: one ``set.ge.f16x2``; else the same comparison as
+    integer lanes 1 / 0, for Triton's interpreter, which runs no PTX)."""
+    if ASM:
+        return tl.inline_asm_elementwise("set.ge.f16x2.f16x2 $0, $1, $2;", "=r,r,r", [p, c], tl.int32, True, 1)
+    else:
+        return ((p & 0xFFFF) >= (c & 0xFFFF)).to(tl.int32) + ((p >> 16) >= (c >> 16)).to(tl.int32) * 65536
+
+
+@triton.jit
+def _f16x2_add(a, b):
+    return tl.inline_asm_elementwise("add.f16x2 $0, $1, $2;", "=r,r,r", [a, b], tl.int32, True, 1)
+
+
+@triton.jit
+def _i16x2_add(a, b):
+    return a + b
+
+
+@triton.jit
+def _f16x2_lanes(a, ASM: tl.constexpr):
+    """The sum of the two lanes of ``a`` (fp16 whole numbers up to 2048; without ``ASM`` the
+    integer lanes of :func:`_f16x2_ge`'s stand-in) as an int32."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f16 l, h; mov.b32 {l, h}, $1; add.f16 l, l, h; cvt.rni.s32.f16 $0, l; }",
+            "=r,r",
+            [a],
+            tl.int32,
+            True,
+            1,
+        )
+    else:
+        return (a & 0xFFFF) + (a >> 16)
+
+
+@triton.jit
+def _bisect_down16(ukey, kth, cnt, b, kk, stop, THREADS: tl.constexpr, ASM: tl.constexpr):
+    """:func:`_bisect_down` for bits ``b..14`` (``b >= 1``: the top bit is found) with two keys a
+    32-bit register: each key's bits 30..17 as a 14-bit lane (0x3FFF for keys whose top bit is
+    above the k-th's, 0 for those below: the same counts as the 32-bit keys, as every candidate
+    here has a bit set among 30..17 and none below), compared two at a time as fp16 bit patterns
+    (all finite and ordered as the integers) by one ``set.ge.f16x2`` and summed within the thread
+    by ``add.f16x2`` (at most 32 a lane: exact): about one instruction a key and bit, where the
+    32-bit compare, select and add take ~2.7, two of them on the half-rate integer pipe. Without
+    ``ASM`` (Triton's interpreter) the lanes are compared and summed as integers."""
+    top = kth & 0x80000000
+    v = tl.where((ukey & 0x80000000) == top, (ukey >> 17) & 0x3FFF, tl.where(ukey > (top | 0x7FFFFFFF), 0x3FFF, 0))
+    v3 = tl.reshape(v.to(tl.int32), [v.shape[0] // THREADS // 2, 2, THREADS])
+    half = tl.arange(0, 2)[None, :, None]
+    packed = tl.sum(v3 * tl.where(half == 0, 1, 65536), axis=1)  # [entries / 2 per thread, THREADS]
+    while (b < 15) & (cnt > stop):
+        cand = kth | (tl.full([], 0x80000000, tl.uint32) >> b.to(tl.uint32))
+        c14 = ((cand >> 17) & 0x3FFF).to(tl.int32)
+        ge = _f16x2_ge(packed, tl.zeros(packed.shape, tl.int32) + (c14 | (c14 << 16)), ASM)
+        if ASM:
+            c = tl.sum(_f16x2_lanes(tl.reduce(ge, 0, _f16x2_add), ASM))
+        else:
+            c = tl.sum(_f16x2_lanes(tl.reduce(ge, 0, _i16x2_add), ASM))
         kth = tl.where(c >= kk, cand, kth)
         cnt = tl.where(c >= kk, c, cnt)
         b += 1
@@ -924,7 +991,7 @@ def _topk_bisect_kernel(
     bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr,
     N_P2: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr, CAP: tl.constexpr, THREADS: tl.constexpr,
     TIE_BITS: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr, FOR_LOOP: tl.constexpr,
-    STOP: tl.constexpr = 0, VEC: tl.constexpr = 1,
+    STOP: tl.constexpr = 0, VEC: tl.constexpr = 1, PACK16: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(rows,)``, rows of at most ``N_P2`` entries (``2^TIE_BITS``), ``THREADS`` threads a program: the row's
     keys read once into registers (entry ``i`` of thread ``t``: position ``i * THREADS + t``); the
@@ -938,6 +1005,7 @@ def _topk_bisect_kernel(
     after the top bits, 2 after the list, 3 before the output, 4 after the row's load (no bits). ``VEC`` 4 (an experiment, not yet
     timed): 16-byte loads of the row (the list's scatter store then converts the layout)."""
     tl.static_assert(N_P2 % THREADS == 0 and CAP % THREADS == 0, "rows and lists fill every thread")
+    tl.static_assert(not PACK16 or N_P2 >= 2 * THREADS, "two keys a thread to pack")
     r = tl.program_id(0)
     row_ptr = x_ptr + r.to(tl.int64) * stride_xr
     lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
@@ -947,7 +1015,13 @@ def _topk_bisect_kernel(
         ukey = tl.where(valid, ukey, 0)  # (0: out of range)
         # the top bits: cnt = valid keys >= kth (every key's is > 0, so kth 0 counts them all)
         stop = N_P2 if STOP == 4 else CAP  # (4: no bits, the load alone)
-        kth, cnt, b = _bisect_down(ukey, tl.zeros([], tl.uint32), hi - lo, tl.zeros([], tl.int32), kk, stop)
+        if PACK16:  # the top bit, then bits 1..14 two keys a register, then the rest
+            kth, cnt, b = _bisect_down(ukey, tl.zeros([], tl.uint32), hi - lo, tl.zeros([], tl.int32), kk, stop, 1)
+            if cnt > stop:
+                kth, cnt, b = _bisect_down16(ukey, kth, cnt, b, kk, stop, THREADS, FOR_LOOP)  # (FOR_LOOP: compiled)
+            kth, cnt, b = _bisect_down(ukey, kth, cnt, b, kk, stop)
+        else:
+            kth, cnt, b = _bisect_down(ukey, tl.zeros([], tl.uint32), hi - lo, tl.zeros([], tl.int32), kk, stop)
         if STOP == 4:
             tl.store(scr, kth.to(tl.int64) + cnt + tl.sum(ukey.to(tl.int64)))
         elif STOP == 1:
@@ -984,7 +1058,7 @@ def _topk_bisect_kernel(
 #: power of two) take :func:`_topk_bisect_kernel` (the row in one program's registers; 0: never), with
 #: up to ``bisect_warps`` warps (fewer for short rows: one per 2048 entries, at least 4) and a list
 #: of up to ``bisect_cap`` x k keys (both powers of two; ``bisect_vec_load``: the row read by 16-byte
-#: loads, an experiment); longer rows
+#: loads, an experiment; ``bisect_pack16``: the top bits two keys a register, fp16 compares); longer rows
 #: take the radix select: ``bits`` per radix pass of the per-row kernel (a power of two up to
 #: 16), ``block`` row entries a step, ``num_warps``; ``compact`` (8-bit digits): the candidate list's
 #: capacity per row (0: one kernel does every pass over the row); ``programs_per_sm``: the row split
@@ -997,7 +1071,7 @@ def _topk_bisect_kernel(
 #: 4-bit levels 246; one kernel (compact 0) 289 (radix passes 198, select 52, sort 37).
 TOPK_CONFIG = dict(
     bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=4, hist_bits=8, split_block=2048, final_warps=8,
-    bisect=32768, bisect_warps=16, bisect_cap=2,
+    bisect=32768, bisect_warps=16, bisect_cap=2, bisect_pack16=True,
 )  # fmt: skip
 _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 
@@ -1028,7 +1102,7 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
         _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
         _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
         _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel, _bisect_down, _column_slots, _rank_keys,
-        _scalar_positions,
+        _scalar_positions, _bisect_down16, _f16x2_ge, _f16x2_add, _i16x2_add, _f16x2_lanes,
     )  # fmt: skip
     rows, n = logits.shape
     if n == 1 and (lo is None or hi is None):  # (Triton compiles n == 1 as a constant; a row of constant
@@ -1053,7 +1127,7 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
             bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
             cand, cand.stride(0),
             N_P2=n_p2, BLOCK=block, K_P2=k_p2, CAP=cap, THREADS=32 * warps, TIE_BITS=n_p2.bit_length() - 1, SLOTS=slots, SORTED=bool(ordered),
-            FOR_LOOP=for_loop, STOP=int(cfg.get("profile", 0)), VEC=vec,
+            FOR_LOOP=for_loop, STOP=int(cfg.get("profile", 0)), VEC=vec, PACK16=bool(cfg["bisect_pack16"]) and vec == 1 and n_p2 >= 64 * warps,
             num_warps=warps,
         )  # fmt: skip
         return
