@@ -565,7 +565,8 @@ def test_topk_without_ranges_matches_full_ranges(path):
 @pytest.mark.parametrize(
     "cfg, key",
     [({"bisect_cap": 3}, "bisect_cap"), ({"bisect_cap": 0}, "bisect_cap"), ({"bisect_cap": 2.0}, "bisect_cap"),
-     ({"bisect_warps": 3}, "bisect_warps"), ({"bisect_warps": 64}, "bisect_warps"), ({"bisect_warps": True}, "bisect_warps")],
+     ({"bisect_warps": 3}, "bisect_warps"), ({"bisect_warps": 64}, "bisect_warps"), ({"bisect_warps": True}, "bisect_warps"),
+     ({"bisect_pack16": 1}, "bisect_pack16"), ({"bisect_vec_load": "yes"}, "bisect_vec_load")],
 )  # fmt: skip
 def test_topk_register_path_config_is_checked(cfg, key):
     # (found by a fresh-user attack: a list capacity of 3 x k or 3 warps left a list or a row that
@@ -574,7 +575,7 @@ def test_topk_register_path_config_is_checked(cfg, key):
 
     x = torch.randn(1, 200, device=DEVICE)
     ends = torch.tensor([0], device=DEVICE), torch.tensor([200], device=DEVICE)
-    with pytest.raises(ValueError, match=f"config: {key} must be a power of two"):
+    with pytest.raises(ValueError, match=f"config: {key} must be a (power of two|bool)"):
         launch_topk(x, *ends, torch.empty(1, 64, dtype=torch.int32, device=DEVICE), 64, 64, config=cfg)
 
 

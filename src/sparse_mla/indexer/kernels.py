@@ -1098,6 +1098,9 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
         v = cfg[key]
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top or v & (v - 1):
             raise ValueError(f"config: {key} must be a power of two from 1 to {top}, got {v!r}")
+    for key in ("bisect_pack16", "bisect_vec_load"):
+        if not isinstance(cfg.get(key, False), bool):
+            raise ValueError(f"config: {key} must be a bool, got {cfg[key]!r}")
     require_runnable(
         _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
         _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
@@ -1117,7 +1120,7 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     n_p2 = triton.next_power_of_2(n)
     if n_p2 <= int(cfg["bisect"]):  # the row fits in one program's registers
         warps = min(int(cfg["bisect_warps"]), max(4, n_p2 // 2048))
-        vec = 4 if cfg.get("bisect_vec_load") else 1
+        vec = 4 if cfg.get("bisect_vec_load", False) else 1
         n_p2 = max(n_p2, 32 * warps * vec)  # every thread holds an entry (a vector)
         cap = min(n_p2, max(k_p2 * int(cfg["bisect_cap"]), k_p2, 32 * warps))
         ws = torch.empty((rows, k_p2 + cap), dtype=torch.int64, device=logits.device)
