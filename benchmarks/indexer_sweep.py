@@ -116,8 +116,12 @@ def sweep_topk(quick: bool, rows: list) -> None:
     # the single-kernel select (compact 0) by digit width, block and warps
     # the register path (rows of up to `bisect` entries: the k-th key's top bits, a list, the rest on
     # it), by warps and list capacity, with 16-byte row loads (an experiment), and its timing stops
-    # (profile 1: load and top bits; 2: + the list; 3: + the list's bits and tie cut)
+    # (profile 4: the load alone; 1: load and top bits; 2: + the list; 3: + the list's bits and tie
+    # cut), each with the top bits two keys a register (the default) and 32-bit
     configs = [dict(bisect=32768, bisect_warps=w) for w in (8, 16, 32)]
+    configs += [dict(bisect=32768, bisect_pack16=False)]
+    configs += [dict(bisect=32768, bisect_pack16=False, profile=p) for p in (1, 2, 3)]
+    configs += [dict(bisect=32768, profile=4)]
     configs += [dict(bisect=32768, bisect_cap=c) for c in (1, 4)]
     configs += [dict(bisect=32768, bisect_vec_load=True)]
     configs += [dict(bisect=32768, profile=p) for p in (1, 2, 3)]
