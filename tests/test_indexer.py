@@ -575,8 +575,50 @@ def test_topk_register_path_config_is_checked(cfg, key):
 
     x = torch.randn(1, 200, device=DEVICE)
     ends = torch.tensor([0], device=DEVICE), torch.tensor([200], device=DEVICE)
-    with pytest.raises(ValueError, match=f"config: {key} must be a (power of two|bool)"):
+    with pytest.raises(ValueError, match=f"config: {key} must be (a power of two|a bool|an int)"):
         launch_topk(x, *ends, torch.empty(1, 64, dtype=torch.int32, device=DEVICE), 64, 64, config=cfg)
+
+
+@pytest.mark.parametrize(
+    "cfg, key",
+    [({"block": 100}, "block"), ({"block": 2048.0}, "block"), ({"split_block": 0}, "split_block"),
+     ({"num_warps": 3}, "num_warps"), ({"final_warps": 3}, "final_warps"), ({"programs_per_sm": 0}, "programs_per_sm"),
+     ({"bisect": -1}, "bisect"), ({"bisect": "32768"}, "bisect"), ({"compact": None}, "compact"),
+     ({"hist_bits": 8.0}, "hist_bits"), ({"bits": True}, "bits"), ({"profile": 5}, "profile"),
+     ({"profile": True}, "profile"), ({"bisect_pak16": True}, "unknown key")],
+)  # fmt: skip
+def test_topk_launch_config_is_checked(cfg, key):
+    # (found by a fresh-user attack: unchecked keys crashed on tie-heavy rows or the radix path only,
+    # and profile values outside the timing stops returned garbage without an error)
+    from sparse_mla.indexer.kernels import launch_topk
+
+    x = torch.randn(2, 300, device=DEVICE)
+    out = torch.empty(2, 5, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=f"config: {key}"):
+        launch_topk(x, None, None, out, 5, 5, config=cfg)
+    with pytest.raises(TypeError, match="config: expected a dict"):
+        launch_topk(x, None, None, out, 5, 5, config=[("block", 256)])
+
+
+def test_topk_launch_sizes_are_checked():
+    # kk not min(k, n), kk 0, an out too small or of another dtype, ranges of another length: each
+    # wrote past a buffer (heap corruption, a segfault) before the launcher checked them
+    from sparse_mla.indexer.kernels import launch_topk
+
+    x = torch.randn(2, 300, device=DEVICE)
+    out = torch.empty(2, 5, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="kk: expected min"):
+        launch_topk(x, None, None, out, 5, 1)
+    with pytest.raises(ValueError, match="kk: expected an int >= 1"):
+        launch_topk(x, None, None, out, 5, 0)
+    with pytest.raises(ValueError, match="out: expected"):
+        launch_topk(x, None, None, out[:, :3], 5, 5)
+    with pytest.raises(TypeError, match="out"):
+        launch_topk(x, None, None, out.long(), 5, 5)
+    with pytest.raises(ValueError, match="hi: expected"):
+        launch_topk(x, None, torch.full((3,), 300, device=DEVICE), out, 5, 5)
+    with pytest.raises(ValueError, match="logits: entries must be contiguous"):
+        launch_topk(torch.randn(300, 2, device=DEVICE).t(), None, None, out, 5, 5)
 
 
 @pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")

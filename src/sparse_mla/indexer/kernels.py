@@ -3,6 +3,8 @@ under the interpreter). Twins: :mod:`sparse_mla.indexer.reference`. Imported on 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
@@ -11,7 +13,7 @@ from ..decode.portable import e4m3_decode_exact
 from ..runtime import cuda_num_sms, interpreting, require_runnable
 from ..serving.index_convert import table_slots
 from ..serving.store import _e4m3_rtne_bits, ceil_log2_div448, slot_records
-from .checks import index_cache_geometry
+from .checks import check_tensor_arg, index_cache_geometry
 
 __all__ = ["launch_quant_store", "launch_mqa_logits", "launch_paged_mqa_logits", "launch_topk"]
 
@@ -917,11 +919,6 @@ def _f16x2_add(a, b):
 
 
 @triton.jit
-def _i16x2_add(a, b):
-    return a + b
-
-
-@triton.jit
 def _f16x2_lanes(a, ASM: tl.constexpr):
     """The sum of the two lanes of ``a`` (fp16 whole numbers up to 2048; without ``ASM`` the
     integer lanes of :func:`_f16x2_ge`'s stand-in) as an int32."""
@@ -959,8 +956,8 @@ def _bisect_down16(ukey, kth, cnt, b, kk, stop, THREADS: tl.constexpr, ASM: tl.c
         ge = _f16x2_ge(packed, tl.zeros(packed.shape, tl.int32) + (c14 | (c14 << 16)), ASM)
         if ASM:
             c = tl.sum(_f16x2_lanes(tl.reduce(ge, 0, _f16x2_add), ASM))
-        else:
-            c = tl.sum(_f16x2_lanes(tl.reduce(ge, 0, _i16x2_add), ASM))
+        else:  # (integer lanes of at most 32 a thread: one int32 sum adds both without carries)
+            c = tl.sum(_f16x2_lanes(tl.sum(ge, 0), ASM))
         kth = tl.where(c >= kk, cand, kth)
         cnt = tl.where(c >= kk, c, cnt)
         b += 1
@@ -1076,6 +1073,81 @@ TOPK_CONFIG = dict(
 _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 
 
+_POW2 = {
+    "block": (32, 65536),
+    "split_block": (32, 65536),
+    "num_warps": (1, 32),
+    "bisect_cap": (1, 64),
+    "bisect_warps": (1, 32),
+}
+
+
+def _topk_config(config) -> dict:
+    """:data:`TOPK_CONFIG` updated by ``config`` (a mapping or None), every key checked (``ValueError``
+    naming it: an unknown key, a wrong type or a value out of range)."""
+    if config is not None and not isinstance(config, Mapping):
+        raise TypeError(f"config: expected a dict or None, got {type(config).__name__}")
+    extra = {"profile": 0, "bisect_vec_load": False}  # (timing and experiments; not in the defaults)
+    unknown = sorted(set(config or {}) - set(TOPK_CONFIG) - set(extra))
+    if unknown:
+        raise ValueError(f"config: unknown key(s) {unknown}; known: {sorted({*TOPK_CONFIG, *extra})}")
+    cfg = {**TOPK_CONFIG, **extra, **(config or {})}
+    for key, v in cfg.items():
+        want_bool = key in ("bisect_pack16", "bisect_vec_load")
+        if isinstance(v, bool) != want_bool or not isinstance(v, int):
+            raise ValueError(f"config: {key} must be {'a bool' if want_bool else 'an int'}, got {v!r}")
+    for key, (lo, hi) in _POW2.items():
+        v = cfg[key]
+        if not lo <= v <= hi or v & (v - 1):
+            raise ValueError(f"config: {key} must be a power of two from {lo} to {hi}, got {v!r}")
+    checks = (
+        ("bits", cfg["bits"] in (1, 2, 4, 8, 16), "must divide 32 (a power of two up to 16)"),
+        ("compact", cfg["compact"] >= 0, "must be >= 0 (0 = off)"),
+        ("compact", not cfg["compact"] or cfg["bits"] == 8, "needs 8-bit digits (bits=8)"),
+        ("hist_bits", cfg["hist_bits"] in (4, 8), "must be 4 or 8"),
+        ("programs_per_sm", 1 <= cfg["programs_per_sm"] <= 64, "must be from 1 to 64"),
+        ("final_warps", cfg["final_warps"] in (0, 1, 2, 4, 8, 16, 32), "must be 0 (num_warps) or a power of two up to 32"),
+        ("bisect", 0 <= cfg["bisect"] <= 32768, "must be from 0 (never) to 32768"),
+        ("profile", cfg["profile"] in (0, 1, 2, 3, 4), "must be 0 (off) or a timing stop 1-4"),
+    )  # fmt: skip
+    for key, ok, what in checks:
+        if not ok:
+            raise ValueError(f"config: {key} {what}, got {cfg[key]!r}")
+    return cfg
+
+
+def _check_topk_launch(logits, lo, hi, out, k, kk, table, page_block_size, next_n) -> None:
+    """``launch_topk``'s tensors and sizes as its docstring states them (``ValueError``/``TypeError``
+    naming the argument): what the kernels read and write must lie inside them."""
+    check_tensor_arg(logits, "logits", (torch.float32, torch.float16, torch.bfloat16), 2)
+    rows, n = logits.shape
+    if logits.stride(1) != 1 and n > 1:
+        raise ValueError(f"logits: entries must be contiguous (stride(1) == 1), got strides {tuple(logits.stride())}")
+    for name, v, lo_v in (("k", k, 1), ("kk", kk, 1), ("next_n", next_n, 1), ("page_block_size", page_block_size, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo_v:
+            raise ValueError(f"{name}: expected an int >= {lo_v}, got {v!r}")
+    if kk != min(k, n):  # (n == 0 has nothing to select: the caller fills out with -1)
+        raise ValueError(f"kk: expected min(k, n) = {min(k, n)}, got {kk}")
+    check_tensor_arg(out, "out", (torch.int32,), 2)
+    if tuple(out.shape) != (rows, k) or (k > 1 and out.stride(1) != 1) or out.device != logits.device:
+        raise ValueError(f"out: expected [{rows}, {k}] int32 with contiguous entries on {logits.device}, got "
+                         f"{list(out.shape)} strides {tuple(out.stride())} on {out.device}")  # fmt: skip
+    for name, t in (("lo", lo), ("hi", hi)):
+        if t is not None:
+            check_tensor_arg(t, name, (torch.int32, torch.int64), 1)
+            if t.shape[0] != rows or (rows > 1 and t.stride(0) != 1) or t.device != logits.device:
+                raise ValueError(
+                    f"{name}: expected [{rows}] contiguous on {logits.device}, got {list(t.shape)} on {t.device}"
+                )
+    if table is not None:
+        check_tensor_arg(table, "table", (torch.int32, torch.int64), 2)
+        if rows % next_n or table.shape[0] != rows // next_n or (table.shape[1] > 1 and table.stride(1) != 1):
+            raise ValueError(f"table: expected [rows / next_n = {rows / next_n}, max_blocks] with contiguous "
+                             f"entries, got {list(table.shape)} strides {tuple(table.stride())}")  # fmt: skip
+        if table.device != logits.device:
+            raise ValueError(f"table: expected on {logits.device}, got {table.device}")
+
+
 def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_n=1, config=None, ordered=True) -> None:
     """``logits [rows, n]`` (row stride any, entries contiguous), ``lo``/``hi`` ``[rows]`` int32 or
     int64 (clamped to ``[0, n]`` here) or None (every row from 0 / to ``n``: no tensors to fill),
@@ -1084,30 +1156,18 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     ``< next_power_of_2(kk)`` (``kk = min(k, n)``; the caller fills any column past that). With ``table`` (``[b, max_blocks]`` int32/int64, entries
     contiguous, ``b = rows / next_n``) the positions become cache slots as
     :func:`sparse_mla.serving.reference.abs_indices_to_kvcache_indices` maps them."""
-    cfg = {**TOPK_CONFIG, **(config or {})}
-    if cfg["bits"] not in (1, 2, 4, 8, 16):
-        raise ValueError(f"config: bits must divide 32 (a power of two up to 16), got {cfg['bits']!r}")
-    cap = int(cfg["compact"])
-    if cap < 0:
-        raise ValueError(f"config: compact must be >= 0 (0 = off), got {cap}")
-    if cap and cfg["bits"] != 8:
-        raise ValueError(f"config: compact needs 8-bit digits, got bits={cfg['bits']!r}")
-    if cfg["hist_bits"] not in (4, 8):
-        raise ValueError(f"config: hist_bits must be 4 or 8, got {cfg['hist_bits']!r}")
-    for key, top in (("bisect_cap", 64), ("bisect_warps", 32)):  # (the list and the row fill every thread)
-        v = cfg[key]
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top or v & (v - 1):
-            raise ValueError(f"config: {key} must be a power of two from 1 to {top}, got {v!r}")
-    for key in ("bisect_pack16", "bisect_vec_load"):
-        if not isinstance(cfg.get(key, False), bool):
-            raise ValueError(f"config: {key} must be a bool, got {cfg[key]!r}")
+    cfg = _topk_config(config)
+    _check_topk_launch(logits, lo, hi, out, k, kk, table, page_block_size, next_n)
     require_runnable(
         _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
         _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
         _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel, _bisect_down, _column_slots, _rank_keys,
-        _scalar_positions, _bisect_down16, _f16x2_ge, _f16x2_add, _i16x2_add, _f16x2_lanes,
+        _scalar_positions, _bisect_down16, _f16x2_ge, _f16x2_add, _f16x2_lanes,
     )  # fmt: skip
     rows, n = logits.shape
+    if rows == 0:
+        return
+    cap = cfg["compact"]
     if n == 1 and (lo is None or hi is None):  # (Triton compiles n == 1 as a constant; a row of constant
         # bounds then fails its coalesce pass, so such rows get range tensors)
         z = torch.zeros(rows, dtype=torch.int32, device=logits.device)
