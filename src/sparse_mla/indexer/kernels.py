@@ -831,7 +831,7 @@ def _topk_kernel(
     :func:`_topk_split_kernel`): the k-th key's top 16 bits come from the row's histograms; when
     its bucket fit in ``cap``, the last two digits and the select read only the candidate list
     ``cand[r, :cap]`` (the entries above the bucket are already in ``scr``), else the row."""
-    tl.static_assert(BLOCK < 65536, "the select packs two counts of a step into one int32")
+    tl.static_assert(BLOCK <= 16384, "the select packs two counts of a step into one int32 (the high one < 2^15)")
     r = tl.program_id(0)
     row_ptr = x_ptr + r.to(tl.int64) * stride_xr
     lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
@@ -942,7 +942,8 @@ def _bisect_down16(ukey, kth, cnt, b, kk, stop, THREADS: tl.constexpr, ASM: tl.c
     above the k-th's, 0 for those below: the same counts as the 32-bit keys, as every candidate
     here has a bit set among 30..17 and none below), compared two at a time as fp16 bit patterns
     (all finite and ordered as the integers) by one ``set.ge.f16x2`` and summed within the thread
-    by ``add.f16x2`` (at most 32 a lane: exact): about one instruction a key and bit, where the
+    by ``add.f16x2`` (at most ``N_P2 / THREADS / 2`` <= 512 a lane, and fp16 holds whole numbers up
+    to 2048: exact): about one instruction a key and bit, where the
     32-bit compare, select and add take ~2.7, two of them on the half-rate integer pipe. Without
     ``ASM`` (Triton's interpreter) the lanes are compared and summed as integers."""
     top = kth & 0x80000000
@@ -956,7 +957,7 @@ def _bisect_down16(ukey, kth, cnt, b, kk, stop, THREADS: tl.constexpr, ASM: tl.c
         ge = _f16x2_ge(packed, tl.zeros(packed.shape, tl.int32) + (c14 | (c14 << 16)), ASM)
         if ASM:
             c = tl.sum(_f16x2_lanes(tl.reduce(ge, 0, _f16x2_add), ASM))
-        else:  # (integer lanes of at most 32 a thread: one int32 sum adds both without carries)
+        else:  # (integer lanes of at most 512 a thread: one int32 sum adds both without carries)
             c = tl.sum(_f16x2_lanes(tl.sum(ge, 0), ASM))
         kth = tl.where(c >= kk, cand, kth)
         cnt = tl.where(c >= kk, c, cnt)
@@ -1055,7 +1056,8 @@ def _topk_bisect_kernel(
 #: power of two) take :func:`_topk_bisect_kernel` (the row in one program's registers; 0: never), with
 #: up to ``bisect_warps`` warps (fewer for short rows: one per 2048 entries, at least 4) and a list
 #: of up to ``bisect_cap`` x k keys (both powers of two; ``bisect_vec_load``: the row read by 16-byte
-#: loads, an experiment; ``bisect_pack16``: the top bits two keys a register, fp16 compares); longer rows
+#: loads, an experiment; ``bisect_pack16``: the top bits two keys a register, fp16 compares; off with
+#: ``bisect_vec_load`` or fewer than two entries a thread); longer rows
 #: take the radix select: ``bits`` per radix pass of the per-row kernel (a power of two up to
 #: 16), ``block`` row entries a step, ``num_warps``; ``compact`` (8-bit digits): the candidate list's
 #: capacity per row (0: one kernel does every pass over the row); ``programs_per_sm``: the row split
@@ -1073,9 +1075,9 @@ TOPK_CONFIG = dict(
 _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 
 
-_POW2 = {
-    "block": (32, 65536),
-    "split_block": (32, 65536),
+_POW2 = {  # (block, split_block: the select packs two counts of a step into one int32)
+    "block": (32, 16384),
+    "split_block": (32, 16384),
     "num_warps": (1, 32),
     "bisect_cap": (1, 64),
     "bisect_warps": (1, 32),
@@ -1108,7 +1110,7 @@ def _topk_config(config) -> dict:
         ("programs_per_sm", 1 <= cfg["programs_per_sm"] <= 64, "must be from 1 to 64"),
         ("final_warps", cfg["final_warps"] in (0, 1, 2, 4, 8, 16, 32), "must be 0 (num_warps) or a power of two up to 32"),
         ("bisect", 0 <= cfg["bisect"] <= 32768, "must be from 0 (never) to 32768"),
-        ("profile", cfg["profile"] in (0, 1, 2, 3, 4), "must be 0 (off) or a timing stop 1-4"),
+        ("profile", cfg["profile"] in (0, 1, 2, 3, 4), "must be 0 (off) or a timing stop 1-4 (the radix path has 1-2; more acts as 2)"),
     )  # fmt: skip
     for key, ok, what in checks:
         if not ok:
