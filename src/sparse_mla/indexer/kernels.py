@@ -1150,16 +1150,21 @@ def _check_topk_launch(logits, lo, hi, out, k, kk, table, page_block_size, next_
             raise ValueError(f"table: expected on {logits.device}, got {table.device}")
 
 
-def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_n=1, config=None, ordered=True) -> None:
+def launch_topk(
+    logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_n=1, config=None, ordered=True, *, _checked=False
+) -> None:
     """``logits [rows, n]`` (row stride any, entries contiguous), ``lo``/``hi`` ``[rows]`` int32 or
     int64 (clamped to ``[0, n]`` here) or None (every row from 0 / to ``n``: no tensors to fill),
     ``out [rows, k]`` int32 (entries contiguous): each row's ``min(k, hi - lo)`` best positions in
     rank order (``ordered``; else in no set order) and ``-1`` after them, in columns
     ``< next_power_of_2(kk)`` (``kk = min(k, n)``; the caller fills any column past that). With ``table`` (``[b, max_blocks]`` int32/int64, entries
     contiguous, ``b = rows / next_n``) the positions become cache slots as
-    :func:`sparse_mla.serving.reference.abs_indices_to_kvcache_indices` maps them."""
+    :func:`sparse_mla.serving.reference.abs_indices_to_kvcache_indices` maps them. ``_checked``: the
+    caller (:func:`sparse_mla.indexer.topk._topk`) has checked the tensors and made ``out`` and ``kk``
+    itself, so they are not checked again (~12 µs of host time a call)."""
     cfg = _topk_config(config)
-    _check_topk_launch(logits, lo, hi, out, k, kk, table, page_block_size, next_n)
+    if not _checked:
+        _check_topk_launch(logits, lo, hi, out, k, kk, table, page_block_size, next_n)
     require_runnable(
         _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
         _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
@@ -1180,11 +1185,11 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
     bt = table if slots else out  # (a placeholder when there is no table: never read)
     for_loop = not interpreting()
     n_p2 = triton.next_power_of_2(n)
-    if n_p2 <= int(cfg["bisect"]):  # the row fits in one program's registers
-        warps = min(int(cfg["bisect_warps"]), max(4, n_p2 // 2048))
-        vec = 4 if cfg.get("bisect_vec_load", False) else 1
+    if n_p2 <= cfg["bisect"]:  # the row fits in one program's registers
+        warps = min(cfg["bisect_warps"], max(4, n_p2 // 2048))
+        vec = 4 if cfg["bisect_vec_load"] else 1
         n_p2 = max(n_p2, 32 * warps * vec)  # every thread holds an entry (a vector)
-        cap = min(n_p2, max(k_p2 * int(cfg["bisect_cap"]), k_p2, 32 * warps))
+        cap = min(n_p2, max(k_p2 * cfg["bisect_cap"], k_p2, 32 * warps))
         ws = torch.empty((rows, k_p2 + cap), dtype=torch.int64, device=logits.device)
         scratch, cand = ws[:, :k_p2], ws[:, k_p2:]
         _topk_bisect_kernel[(rows,)](
@@ -1192,7 +1197,7 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
             bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
             cand, cand.stride(0),
             N_P2=n_p2, BLOCK=block, K_P2=k_p2, CAP=cap, THREADS=32 * warps, TIE_BITS=n_p2.bit_length() - 1, SLOTS=slots, SORTED=bool(ordered),
-            FOR_LOOP=for_loop, STOP=int(cfg.get("profile", 0)), VEC=vec, PACK16=bool(cfg["bisect_pack16"]) and vec == 1 and n_p2 >= 64 * warps,
+            FOR_LOOP=for_loop, STOP=cfg["profile"], VEC=vec, PACK16=cfg["bisect_pack16"] and vec == 1 and n_p2 >= 64 * warps,
             num_warps=warps,
         )  # fmt: skip
         return
@@ -1227,6 +1232,6 @@ def launch_topk(logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_
         bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
         cand, cand.stride(0), cap, hist, hist.stride(0), n_seg,
         BLOCK=block, BITS=cfg["bits"], K_P2=k_p2, SLOTS=slots, FOR_LOOP=for_loop, COMPACT=cap > 0, S_P2=s_p2,
-        HB=hb, PROFILE=int(cfg.get("profile", 0)), SORTED=bool(ordered),
+        HB=hb, PROFILE=cfg["profile"], SORTED=bool(ordered),
         num_warps=(cfg["final_warps"] if cap else 0) or cfg["num_warps"],
     )  # fmt: skip

@@ -10,7 +10,8 @@ k-th best 32-bit key. A row of up to 32768 entries is read once into one program
 the key's top bits found from the top by counts of the keys at or above a candidate (no histogram:
 for the top bit a compare and an add per entry, for bits 30..17 two entries at a time in fp16 lanes)
 until at most 2 k keys are at or above them; those keys are gathered into a list, the remaining bits
-found on it, and the row's entries above the k-th key and the first ones equal to it are written. A longer row takes a radix select: two 8-bit histogram levels over row segments fix its top 16
+found on it, and the row's entries above the k-th key and the first ones equal to it are written.
+A longer row takes a radix select: two 8-bit histogram levels over row segments fix its top 16
 bits, a split pass writes the entries above that bucket and gathers the bucket's entries into a
 candidate list, and one program per row finishes the select on that list (on the row when the
 bucket is larger than the list's capacity), sorts the k rank keys (unless ``sorted=False``) and
@@ -120,7 +121,7 @@ def _topk(
         hi = None if hi is None else hi.contiguous()
         covered = k <= _next_pow2(kk)  # the kernel writes columns < next_pow2(kk)
         out = torch.empty((rows, k), dtype=torch.int32, device=dev) if covered else _minus_one((rows, k), dev)
-        launch_topk(x, lo, hi, out, k, kk, table, page_block_size, next_n, ordered=ordered)
+        launch_topk(x, lo, hi, out, k, kk, table, page_block_size, next_n, ordered=ordered, _checked=True)
         return out
     lo = torch.zeros(rows, dtype=torch.int64, device=dev) if lo is None else lo.long().clamp(0, n)
     hi = torch.full((rows,), n, dtype=torch.int64, device=dev) if hi is None else hi.long().clamp(0, n)
