@@ -206,9 +206,9 @@ def resolve_backend(p: DecodeProblem, backend: str = "auto") -> Backend:
             message says why).
     """
     source = "backend"
-    if backend == "auto" and backend_override() is not None:
-        check_backend_override()
-        backend, source = backend_override(), "SPARSE_MLA_BACKEND"
+    override = backend_override() if backend == "auto" else None
+    if override is not None:  # (an unknown name fails below, named as the variable)
+        backend, source = override, "SPARSE_MLA_BACKEND"
     if backend == "auto":
         for name in AUTO_ORDER:
             if BACKENDS[name].unsupported(p) is None:
