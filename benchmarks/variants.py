@@ -4,7 +4,7 @@ including the Hopper kernel's profiling modes (producer alone, consumer alone, g
 cache-resident token). A variant marked ``check`` is first compared with the fp32 reference on
 small shapes (split and unsplit schedules) and reported FAIL if it misses FlashMLA's tolerances.
 
-    python -m benchmarks.variants [--only b=64,h_q=128] [--variant NAME=BACKEND:KEY=V,KEY=V[:check]] ... [--full]
+    python -m benchmarks.variants [--set small_heads] [--only b=64,h_q=128] [--variant NAME=BACKEND:KEY=V,KEY=V[:check]] ... [--full]
 
 Without ``--variant`` a built-in list runs (the Hopper kernel's profiling modes, and the portable
 kernel at two block sizes); e.g. ``--variant regs120=hopper:producer_regs=120:check``.
@@ -66,7 +66,7 @@ def check_variant(backend: str, config: Any) -> str:
     k = (torch.randn(nb, 64, 1, 576, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
     kc = flash_mla.quantize_k_cache(k, "V32")
     worst = ""
-    for b, h_q, num_sms in ((4, 128, None), (4, 128, 8), (3, 20, None)):
+    for b, h_q, num_sms in ((4, 128, None), (4, 128, 8), (3, 20, None), (3, 16, None), (5, 12, 8)):
         q = torch.randn(b, 2, h_q, 576, device="cuda", generator=g).to(torch.bfloat16)
         idx = torch.randint(-64, nb * 64, (b, 2, 512), device="cuda", generator=g, dtype=torch.int32)
         p = validate_sparse_decode(q=q, k_cache=kc, indices=idx)
@@ -99,6 +99,7 @@ def time_variant(s: harness.DecodeShape, backend: str, config: Any, quick: bool)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="b=64,h_q=128,d_qk=576", help="shape filters k=v,k=v; several separated by ';'")
+    ap.add_argument("--set", default="default", choices=sorted(harness.SHAPE_SETS), help="row set to filter")
     ap.add_argument("--variant", action="append", default=[], help="NAME=BACKEND:KEY=V,KEY=V[:check]")
     ap.add_argument("--full", action="store_true", help="full repetitions (default quick)")
     ap.add_argument("--json", help="write the results here (default: benchmarks/results/<date>_<gpu>_variants.json)")
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
         print("benchmarks.variants: needs a CUDA device", file=sys.stderr)
         return 2
     variants = [parse_variant(v) for v in a.variant] or DEFAULT
-    shapes = harness.select(harness.DECODE_SHAPES, a.only)
+    shapes = harness.select(harness.SHAPE_SETS[a.set], a.only)
     out = []
     for name, backend, config, check in variants:
         res = dict(name=name, backend=backend, config=dataclasses.asdict(config), rows=[])

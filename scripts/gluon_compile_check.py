@@ -60,6 +60,20 @@ UNIT = {"stride_it", "x_stride_it", "stride_ls", "stride_lsq"}
 SMEM_LIMIT = 232448  # 227 KiB opt-in on H100/H200
 
 
+def default_producer_warps(heads: int) -> int:
+    c = sdg.HopperConfig()
+    return c.producer_warps if heads == 64 else c.narrow16_producer_warps if heads == 16 else c.narrow_producer_warps
+
+
+def _register_defaults(a: argparse.Namespace) -> None:
+    """``--producer-regs`` / ``--maxnreg`` left out: the HopperConfig values for the head tile."""
+    c = sdg.HopperConfig()
+    if a.producer_regs is None:
+        a.producer_regs = c.narrow16_producer_regs if a.heads == 16 else c.producer_regs
+    if a.maxnreg is None:
+        a.maxnreg = c.narrow16_maxnreg if a.heads == 16 else c.maxnreg
+
+
 def compile_kernel(
     has_sink: bool,
     has_topk_len: bool,
@@ -74,6 +88,7 @@ def compile_kernel(
     align: int = 16,
     max_logits: bool = False,
     pv_regs: int = sdg.HopperConfig().pv_regs,
+    producer_warps: int | None = None,
 ):
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
@@ -88,7 +103,7 @@ def compile_kernel(
         PBS_POW2=pbs_pow2,
         PBS_LOG2=pbs_log2,
         ALIGN=align,
-        PRODUCER_WARPS=sdg.HopperConfig().producer_warps if heads == 64 else sdg.HopperConfig().narrow_producer_warps,
+        PRODUCER_WARPS=producer_warps or default_producer_warps(heads),
         PRODUCER_REGS=producer_regs,
         PROFILE=sdg.PROFILE_OFF,
         HEADS=heads,
@@ -172,8 +187,9 @@ def main() -> int:
         "--align", type=int, default=16, choices=(2, 4, 8, 16), help="--bf16-kv: bytes dividing every row address"
     )
     ap.add_argument("--pv-regs", type=int, default=sdg.HopperConfig().pv_regs)
-    ap.add_argument("--producer-regs", type=int, default=sdg.HopperConfig().producer_regs)
-    ap.add_argument("--maxnreg", type=int, default=sdg.HopperConfig().maxnreg)
+    ap.add_argument("--producer-regs", type=int, default=None, help="default: the HopperConfig value for the head tile")
+    ap.add_argument("--maxnreg", type=int, default=None, help="default: the HopperConfig value for the head tile")
+    ap.add_argument("--producer-warps", type=int, default=None, help="warps of each producer partition")
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass")
     ap.add_argument(
         "--max-spill",
@@ -186,6 +202,7 @@ def main() -> int:
         ap.error("--bf16-kv: the sparse prefill has no extra cache")
     if a.align != 16 and not a.bf16_kv:
         ap.error("--align: only with --bf16-kv")
+    _register_defaults(a)
     pow2 = a.pbs & (a.pbs - 1) == 0
     k = compile_kernel(
         a.sink,
@@ -201,6 +218,7 @@ def main() -> int:
         align=a.align,
         max_logits=a.max_logits,
         pv_regs=a.pv_regs,
+        producer_warps=a.producer_warps,
     )
     md = k.metadata
     print(

@@ -86,3 +86,33 @@ def test_hopper_config_rejects_bad_register_counts():
     with pytest.raises(ValueError, match="warpgroup 0 would get"):
         HopperConfig(pv_regs=256, producer_regs=256)
     assert HopperConfig(pv_regs=152, producer_regs=136).pv_regs == 152  # 216 left: fine
+
+
+def test_hopper_config_rejects_bad_16_head_tile_settings():
+    from sparse_mla.decode.hopper import HopperConfig
+
+    with pytest.raises(ValueError, match="narrow16_producer_warps: expected 1, 2, 4 or 8"):
+        HopperConfig(narrow16_producer_warps=3)
+    with pytest.raises(ValueError, match="narrow16_producer_warps: expected a positive int"):
+        HopperConfig(narrow16_producer_warps=0)
+    # 20 warps at 168 registers each is past an SM's 65536
+    with pytest.raises(ValueError, match="narrow16_maxnreg: 168 registers x 20 warps"):
+        HopperConfig(narrow16_producer_warps=8)
+    with pytest.raises(ValueError, match="16-head consumer would get"):
+        HopperConfig(narrow16_producer_warps=8, narrow16_maxnreg=96, narrow16_producer_regs=200)
+    with pytest.raises(ValueError, match="narrow16_producer_regs: expected a multiple of 8"):
+        HopperConfig(narrow16_producer_regs=84)
+    c = HopperConfig(narrow16_producer_warps=8, narrow16_maxnreg=96, narrow16_producer_regs=80)
+    assert c.narrow16_producer_warps == 8  # the consumer gets 160 registers
+
+
+@pytest.mark.parametrize("warps, regs, maxnreg", [(4, 128, 168), (8, 80, 96)])
+def test_16_head_tiles_compile(warps, regs, maxnreg, tmp_path):
+    # the narrow consumer (68 wgmmas: 32 + 4 for Sᵀ = K Qᵀ, 32 for Oᵀ += Vᵀ Pᵀ) beside two
+    # producer partitions of `warps` warps at `regs` registers
+    report = run_check(
+        "--heads", "16", "--producer-warps", str(warps), "--producer-regs", str(regs), "--maxnreg", str(maxnreg),
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    assert count(report, "sass HGMMA") == 68
+    assert len(re.findall(rf"TRY_ALLOC\.CTAPOOL {regs} regs", report)) == 2, report

@@ -137,6 +137,11 @@ class HopperConfig:
             one-warpgroup consumer of 16- or 32-head tiles (:func:`_consumer_narrow`), where the
             producer's per-token work is what bounds the kernel.
         pv_regs: registers per thread of the P·V warpgroup of 64-head tiles (:func:`_consumer_pv`).
+        narrow16_producer_warps, narrow16_producer_regs, narrow16_maxnreg: the same for 16-head
+            tiles (h_q <= 16), whose consumer needs the fewest registers: warps and registers
+            (``setmaxnreg``) of each of the two producer partitions, and the kernel's register
+            cap over its ``4 + 2 · narrow16_producer_warps`` warps; the consumer gets
+            ``(4 + 2 w) · narrow16_maxnreg / 4 − 2 w · narrow16_producer_regs / 4`` (w: the warps).
     """
 
     producer_warps: int = 4
@@ -145,13 +150,22 @@ class HopperConfig:
     profile: int = PROFILE_OFF
     narrow_producer_warps: int = 4
     pv_regs: int = 160
+    narrow16_producer_warps: int = 4
+    narrow16_producer_regs: int = 128
+    narrow16_maxnreg: int = 168
 
     def __post_init__(self) -> None:
-        for name in ("producer_warps", "producer_regs", "maxnreg", "narrow_producer_warps", "pv_regs"):
+        names = ("producer_warps", "producer_regs", "maxnreg", "narrow_producer_warps", "pv_regs")
+        names += ("narrow16_producer_warps", "narrow16_producer_regs", "narrow16_maxnreg")
+        for name in names:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"HopperConfig.{name}: expected a positive int, got {v!r}")
-        for name in ("producer_regs", "pv_regs"):  # setmaxnreg takes multiples of 8 in [24, 256]
+        for name in (
+            "producer_regs",
+            "pv_regs",
+            "narrow16_producer_regs",
+        ):  # setmaxnreg takes multiples of 8 in [24, 256]
             v = getattr(self, name)
             if v % 8 or not 24 <= v <= 256:
                 raise ValueError(f"HopperConfig.{name}: expected a multiple of 8 in [24, 256], got {v}")
@@ -162,6 +176,21 @@ class HopperConfig:
             raise ValueError(
                 "HopperConfig: warpgroup 0 would get 3 * maxnreg - producer_regs - pv_regs = "
                 f"{left} registers, expected 24 to 256"
+            )
+        w = self.narrow16_producer_warps
+        if w not in (1, 2, 4, 8):
+            raise ValueError(f"HopperConfig.narrow16_producer_warps: expected 1, 2, 4 or 8, got {w}")
+        cap = self.narrow16_maxnreg // 8 * 8
+        if cap > 255 or cap * (4 + 2 * w) * 32 > 65536:
+            raise ValueError(
+                f"HopperConfig.narrow16_maxnreg: {self.narrow16_maxnreg} registers x {4 + 2 * w} warps is past "
+                "the 65536 registers of an SM"
+            )
+        left = (cap * (4 + 2 * w) - 2 * w * self.narrow16_producer_regs) // 4
+        if not 24 <= left <= 256:
+            raise ValueError(
+                "HopperConfig: the 16-head consumer would get (4 + 2 w) * narrow16_maxnreg / 4 - 2 w * "
+                f"narrow16_producer_regs / 4 = {left} registers, expected 24 to 256"
             )
         if self.profile not in (PROFILE_OFF, PROFILE_PRODUCER_ONLY, PROFILE_CONSUMER_ONLY, PROFILE_CACHED_TOKEN):
             raise ValueError(f"HopperConfig.profile: expected one of the PROFILE_* modes 0-3, got {self.profile!r}")
@@ -1209,6 +1238,11 @@ def launch(
         xargs = (kv_args[0], 0, 0, 1, dummy_i32, 0, 0, 0, 0, dummy_i32)
     heads = hopper_head_tile(h_q)
     narrow = heads < BLOCK_H
+    if heads == 16:
+        pw, preg, maxnreg = config.narrow16_producer_warps, config.narrow16_producer_regs, config.narrow16_maxnreg
+    else:
+        pw = config.narrow_producer_warps if narrow else config.producer_warps
+        preg, maxnreg = config.producer_regs, config.maxnreg
     grid = (table.num_sm_parts, s_q, -(-h_q // heads))
     args = (
         q,
@@ -1256,13 +1290,13 @@ def launch(
         HAS_MAX_LOGITS=max_logits is not None,
         PBS_POW2=pow2,
         PBS_LOG2=pbs.bit_length() - 1 if pow2 else 0,
-        PRODUCER_WARPS=config.narrow_producer_warps if narrow else config.producer_warps,
-        PRODUCER_REGS=config.producer_regs,
+        PRODUCER_WARPS=pw,
+        PRODUCER_REGS=preg,
         PROFILE=config.profile,
         HEADS=heads,
         PV_REGS=config.pv_regs,
     )
-    options = {"num_warps": CONSUMER_WARPS, "maxnreg": config.maxnreg}
+    options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
     launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options)
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)
