@@ -1,0 +1,145 @@
+"""The random-gather ceiling of the decode's cache reads: how fast a kernel that does nothing but
+read the gathered tokens can go, on the same cache and the same index sets as a decode row.
+
+    python -m benchmarks.gather [--quick] [--only b=128,h_q=16] [--json PATH]
+
+The sparse decode reads, per query token, ``topk`` whole cache records (656 bytes for V32, 584 for
+MODEL1) at random slots of its request's pages. Issue 12 asks for >= 75 % of the device-copy
+bandwidth on those bytes; this measures what a gather alone reaches, so a decode row's GB/s can be
+read against both ceilings (the copy's and the gather's). The kernel (``_gather_max_kernel``) loads
+each indexed record as int32 words (16-byte vectors, 64 records a program, many programs a SM, no
+shared memory, no conversion) and stores one max per program; its twin is
+:func:`gather_max_reference`. Rows: the decode row's own index sets (rotated past L2, as
+:func:`benchmarks.harness.decode_inputs` builds them), the same number of records at random slots
+of a 32 MB window (L2-resident), and consecutive slots (a streaming read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_mla.formats import cache_bytes
+
+from . import harness
+
+BLOCK_T = 64  # records per program
+
+
+@triton.jit
+def _gather_max_kernel(
+    cache_ptr, stride_blk, stride_tok, idx_ptr, n, out_ptr, PBS: tl.constexpr, WORDS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """Program ``p``: the max over the int32 words of records ``idx[64 p .. 64 p + 63]`` (slot
+    ``s`` at byte ``(s // PBS) * stride_blk + (s % PBS) * stride_tok``; ``-1``: skipped)."""
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    idx = tl.load(idx_ptr + t, mask=t < n, other=-1)
+    valid = idx >= 0
+    s = tl.where(valid, idx, 0)
+    base = (s // PBS).to(tl.int64) * stride_blk + (s % PBS).to(tl.int64) * stride_tok
+    base = tl.multiple_of(base, 16)
+    w = tl.arange(0, BLOCK_W)
+    ptr = (cache_ptr + base[:, None]).to(tl.pointer_type(tl.int32)) + w[None, :]
+    x = tl.load(ptr, mask=valid[:, None] & (w[None, :] < WORDS), other=-(2**31))
+    tl.store(out_ptr + pid, tl.max(tl.max(x, axis=1), axis=0))
+
+
+def gather_max(k_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per 64 indices (flattened ``indices``, int32 slots below ``num_blocks * page_block_size``,
+    ``-1`` skipped): the max int32 word of
+    their records in ``k_cache`` (a paged FP8 cache ``[num_blocks, page_block_size, 1, bytes]``,
+    records a multiple of 16 bytes at 16-byte aligned addresses). Returns int32 ``[ceil(n / 64)]``;
+    a group with no valid index gives ``-2**31``."""
+    raw = cache_bytes(k_cache)
+    rec = raw.shape[-1]
+    if rec % 16 or raw.stride(1) % 16 or raw.stride(0) % 16 or raw.data_ptr() % 16:
+        raise ValueError(f"k_cache: records of {rec} bytes at strides {tuple(raw.stride())}: expected multiples of 16")
+    idx = indices.reshape(-1)
+    n = idx.numel()
+    grid = (triton.cdiv(n, BLOCK_T),)
+    if out is None:
+        out = torch.empty(grid[0], dtype=torch.int32, device=idx.device)
+    words = rec // 4
+    _gather_max_kernel[grid](
+        raw, raw.stride(0), raw.stride(1), idx, n, out, PBS=raw.shape[1], WORDS=words, BLOCK_T=BLOCK_T,
+        BLOCK_W=triton.next_power_of_2(words), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def gather_max_reference(k_cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`gather_max` in PyTorch."""
+    raw = cache_bytes(k_cache)
+    pbs = raw.shape[1]
+    idx = indices.reshape(-1).long().cpu()
+    n = idx.numel()
+    words = torch.full((triton.cdiv(n, BLOCK_T) * BLOCK_T, raw.shape[-1] // 4), -(2**31), dtype=torch.int32)
+    valid = idx >= 0
+    s = idx[valid]
+    recs = raw.cpu()[s // pbs, s % pbs, 0].contiguous().view(torch.int32)
+    words[:n][valid] = recs
+    return words.view(-1, BLOCK_T * words.shape[1]).amax(dim=1).to(indices.device)
+
+
+def rows_for(s: harness.DecodeShape, quick: bool) -> list[dict]:
+    """The three gather rows (µs, GB/s on the gathered bytes) for one decode shape."""
+    inp = harness.decode_inputs(s)
+    rec = cache_bytes(inp.k_cache).shape[-1]
+    n = inp.index_sets[0].numel()
+    slots = inp.k_cache.shape[0] * inp.k_cache.shape[1]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    window = max(BLOCK_T, min(slots, (32 << 20) // rec))
+    cases = {
+        "decode index sets": inp.index_sets,
+        "32 MB window": [torch.randint(0, window, (n,), device="cuda", generator=g, dtype=torch.int32)],
+        "consecutive slots": [torch.arange(n, device="cuda", dtype=torch.int32) % slots],
+    }
+    out = torch.empty(triton.cdiv(n, BLOCK_T), dtype=torch.int32, device="cuda")
+    rows = []
+    for name, sets in cases.items():
+        state = {"i": 0}
+
+        def call(sets=sets, state=state):
+            state["i"] += 1
+            return gather_max(inp.k_cache, sets[state["i"] % len(sets)], out)
+
+        us = harness.median_us(call, quick)
+        valid = sum(int((ix >= 0).sum()) for ix in sets) / len(sets)
+        rows.append(dict(harness.as_dict(s), case=name, us=us, gbs=valid * rec / (us * 1e-6) / 1e9, records=valid))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="b=128,h_q=16,d_qk=576;b=64,h_q=16,d_qk=576", help="small_heads rows k=v,k=v;...")
+    ap.add_argument("--json", help="write the results here (default: benchmarks/results/<date>_<gpu>_gather.json)")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.gather: needs a CUDA device", file=sys.stderr)
+        return 2
+    copy = harness.copy_ceiling_gbs()
+    print(f"# device copy {copy:.0f} GB/s")
+    rows = []
+    for s in harness.select(harness.SMALL_HEAD_SHAPES, a.only):
+        for r in rows_for(s, a.quick):
+            r["pct_copy"] = 100 * r["gbs"] / copy
+            rows.append(r)
+            print(
+                f"b={r['b']} s_q={r['s_q']} topk={r['topk']} d_qk={r['d_qk']} {r['case']:18s} "
+                f"{r['us']:8.1f} us {r['gbs']:7.0f} GB/s {r['pct_copy']:5.1f} % of copy",
+                flush=True,
+            )
+        torch.cuda.empty_cache()
+    print(f"results: {harness.write_results('gather', dict(quick=a.quick, copy_gbs=copy, rows=rows), a.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
