@@ -166,8 +166,7 @@ def main(argv=None) -> int:
     if args.list:
         list_shapes(shapes)
         return 0
-    if not torch.cuda.is_available():
-        print("benchmarks.decode: needs a CUDA device", file=sys.stderr)
+    if not harness.has_cuda("benchmarks.decode"):
         return 2
     peak_tflops, peak_gbs = harness.ceilings()
     print(

@@ -121,8 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="b=128,h_q=16,d_qk=576;b=64,h_q=16,d_qk=576", help="small_heads rows k=v,k=v;...")
     ap.add_argument("--json", help="write the results here (default: benchmarks/results/<date>_<gpu>_gather.json)")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.gather: needs a CUDA device", file=sys.stderr)
+    if not harness.has_cuda("benchmarks.gather"):
         return 2
     copy = harness.copy_ceiling_gbs()
     print(f"# device copy {copy:.0f} GB/s")

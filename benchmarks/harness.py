@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -152,6 +153,14 @@ def graph_replay_us(make_call: Callable[[int], Callable[[], object]], n_variants
     replay()
     torch.cuda.synchronize()
     return median_us(replay, quick)
+
+
+def has_cuda(name: str) -> bool:
+    """True with a CUDA device; else says on stderr that benchmark ``name`` needs one."""
+    if torch.cuda.is_available():
+        return True
+    print(f"{name}: needs a CUDA device", file=sys.stderr)
+    return False
 
 
 def ceilings() -> tuple[float, float]:

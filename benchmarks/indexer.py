@@ -120,8 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.indexer: needs a CUDA device", file=sys.stderr)
+    if not harness.has_cuda("benchmarks.indexer"):
         return 2
     bf16_tflops, copy_gbs = harness.ceilings()
     fp8 = fp8_peak_tflops()

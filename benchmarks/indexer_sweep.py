@@ -178,8 +178,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.indexer_sweep: needs a CUDA device", file=sys.stderr)
+    if not harness.has_cuda("benchmarks.indexer_sweep"):
         return 2
     print(f"# defaults: paged {K.PAGED_CONFIG}, prefill {K.PREFILL_CONFIG}, topk {K.TOPK_CONFIG}")
     rows: list = []

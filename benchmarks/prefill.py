@@ -116,8 +116,7 @@ def main(argv=None) -> int:
         from .variants import parse_variant
 
         hopper._DEFAULT_CONFIG = parse_variant(f"cli=hopper:{args.hopper_config}")[2]
-    if not torch.cuda.is_available():
-        print("benchmarks.prefill: needs a CUDA device", file=sys.stderr)
+    if not harness.has_cuda("benchmarks.prefill"):
         return 2
     peak_tflops, _ = harness.ceilings()
     filters = harness.parse_filter(args.only)

@@ -64,8 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.store: needs a CUDA device", file=sys.stderr)
+    if not harness.has_cuda("benchmarks.store"):
         return 2
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     ceiling = harness.copy_ceiling_gbs()

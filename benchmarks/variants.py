@@ -104,8 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--full", action="store_true", help="full repetitions (default quick)")
     ap.add_argument("--json", help="write the results here (default: benchmarks/results/<date>_<gpu>_variants.json)")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.variants: needs a CUDA device", file=sys.stderr)
+    if not harness.has_cuda("benchmarks.variants"):
         return 2
     variants = [parse_variant(v) for v in a.variant] or DEFAULT
     shapes = harness.select(harness.SHAPE_SETS[a.set], a.only)
