@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_mla.decode.launcher import set_smem_carveout
 from sparse_mla.formats import cache_bytes
+from sparse_mla.runtime import interpreting
 
 from . import harness
 
@@ -50,12 +52,15 @@ def _gather_max_kernel(
     tl.store(out_ptr + pid, tl.max(tl.max(x, axis=1), axis=0))
 
 
-def gather_max(k_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_max(
+    k_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None, carveout: int = -1
+) -> torch.Tensor:
     """Per 64 indices (flattened ``indices``, int32 slots below ``num_blocks * page_block_size``,
     ``-1`` skipped): the max int32 word of
     their records in ``k_cache`` (a paged FP8 cache ``[num_blocks, page_block_size, 1, bytes]``,
     records a multiple of 16 bytes at 16-byte aligned addresses). Returns int32 ``[ceil(n / 64)]``;
-    a group with no valid index gives ``-2**31``."""
+    a group with no valid index gives ``-2**31``. ``carveout`` >= 0: the shared-memory carveout
+    hint (percent, :func:`sparse_mla.decode.launcher.set_smem_carveout`) for the next launches."""
     raw = cache_bytes(k_cache)
     rec = raw.shape[-1]
     if rec % 16 or raw.stride(1) % 16 or raw.stride(0) % 16 or raw.data_ptr() % 16:
@@ -66,10 +71,12 @@ def gather_max(k_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor |
     if out is None:
         out = torch.empty(grid[0], dtype=torch.int32, device=idx.device)
     words = rec // 4
-    _gather_max_kernel[grid](
+    compiled = _gather_max_kernel[grid](
         raw, raw.stride(0), raw.stride(1), idx, n, out, PBS=raw.shape[1], WORDS=words, BLOCK_T=BLOCK_T,
         BLOCK_W=triton.next_power_of_2(words), num_warps=4,
     )  # fmt: skip
+    if carveout >= 0 and not interpreting():
+        set_smem_carveout(compiled, carveout)
     return out
 
 
@@ -87,8 +94,9 @@ def gather_max_reference(k_cache: torch.Tensor, indices: torch.Tensor) -> torch.
     return words.view(-1, BLOCK_T * words.shape[1]).amax(dim=1).to(indices.device)
 
 
-def rows_for(s: harness.DecodeShape, quick: bool) -> list[dict]:
-    """The three gather rows (µs, GB/s on the gathered bytes) for one decode shape."""
+def rows_for(s: harness.DecodeShape, quick: bool, carveout: int = -1) -> list[dict]:
+    """The three gather rows (µs, GB/s on the gathered bytes) for one decode shape; ``carveout``:
+    the shared-memory carveout hint (percent, -1: the driver's default)."""
     inp = harness.decode_inputs(s)
     rec = cache_bytes(inp.k_cache).shape[-1]
     n = inp.index_sets[0].numel()
@@ -107,11 +115,20 @@ def rows_for(s: harness.DecodeShape, quick: bool) -> list[dict]:
 
         def call(sets=sets, state=state):
             state["i"] += 1
-            return gather_max(inp.k_cache, sets[state["i"] % len(sets)], out)
+            return gather_max(inp.k_cache, sets[state["i"] % len(sets)], out, carveout)
 
         us = harness.median_us(call, quick)
         valid = sum(int((ix >= 0).sum()) for ix in sets) / len(sets)
-        rows.append(dict(harness.as_dict(s), case=name, us=us, gbs=valid * rec / (us * 1e-6) / 1e9, records=valid))
+        rows.append(
+            dict(
+                harness.as_dict(s),
+                case=name,
+                carveout=carveout,
+                us=us,
+                gbs=valid * rec / (us * 1e-6) / 1e9,
+                records=valid,
+            )
+        )
     return rows
 
 
@@ -120,18 +137,29 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="b=128,h_q=16,d_qk=576;b=64,h_q=16,d_qk=576", help="small_heads rows k=v,k=v;...")
     ap.add_argument("--json", help="write the results here (default: benchmarks/results/<date>_<gpu>_gather.json)")
+    ap.add_argument(
+        "--carveout",
+        type=int,
+        action="append",
+        default=None,
+        help="shared-memory carveout hints to run (percent; -1: the driver's default; 100: the most shared "
+        "memory, the L1 a kernel past 48 KB gets from Triton); repeatable, run in increasing order (a hint "
+        "stays set on the compiled kernel), default -1",
+    )
     a = ap.parse_args(argv)
     if not harness.has_cuda("benchmarks.gather"):
         return 2
     copy = harness.copy_ceiling_gbs()
     print(f"# device copy {copy:.0f} GB/s")
     rows = []
-    for s in harness.select(harness.SMALL_HEAD_SHAPES, a.only):
-        for r in rows_for(s, a.quick):
+    for s, c in (
+        (s, c) for s in harness.select(harness.SMALL_HEAD_SHAPES, a.only) for c in sorted(set(a.carveout or [-1]))
+    ):
+        for r in rows_for(s, a.quick, c):
             r["pct_copy"] = 100 * r["gbs"] / copy
             rows.append(r)
             print(
-                f"b={r['b']} s_q={r['s_q']} topk={r['topk']} d_qk={r['d_qk']} {r['case']:18s} "
+                f"b={r['b']} s_q={r['s_q']} topk={r['topk']} d_qk={r['d_qk']} carveout={c} {r['case']:18s} "
                 f"{r['us']:8.1f} us {r['gbs']:7.0f} GB/s {r['pct_copy']:5.1f} % of copy",
                 flush=True,
             )

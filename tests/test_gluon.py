@@ -208,3 +208,17 @@ def test_model1_partial_head_tile_and_odd_pages():
     for num_sms in (2, 132):
         out, lse = check(q, kc, idx, num_sms, **kw)
         assert out.shape == (3, 2, 16, 512)
+
+
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_smem_carveout_hint_keeps_results(h_q, monkeypatch):
+    # the L1 / shared-memory split hinted from the second launch on (HopperConfig.smem_carveout):
+    # the kernel's results do not depend on it
+    from sparse_mla.decode import hopper
+
+    q, kc, idx, kw = make_case(3, 2, h_q, seed=40 + h_q, sink=True)
+    base = run_gluon(q, kc, idx, None, **kw)[:2]
+    monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", hopper.HopperConfig(smem_carveout=0))
+    for _ in range(2):
+        out, lse = check(q, kc, idx, None, **kw)
+        assert torch.equal(out, base[0]) and torch.equal(lse, base[1])

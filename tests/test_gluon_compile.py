@@ -116,3 +116,16 @@ def test_16_head_tiles_compile(warps, regs, maxnreg, tmp_path):
     )  # fmt: skip
     assert count(report, "sass HGMMA") == 68
     assert len(re.findall(rf"TRY_ALLOC\.CTAPOOL {regs} regs", report)) == 2, report
+
+
+def test_smem_carveout_hint_checks():
+    from sparse_mla.decode.hopper import HopperConfig
+    from sparse_mla.decode.launcher import set_smem_carveout
+
+    for bad in (-2, 101, True, 50.0):
+        with pytest.raises(ValueError, match="HopperConfig.smem_carveout: expected -1 or a percent"):
+            HopperConfig(smem_carveout=bad)
+        with pytest.raises(ValueError, match="percent: expected an int in 0..100"):
+            set_smem_carveout(None, bad if bad != -2 else -1)
+    assert HopperConfig(smem_carveout=0).smem_carveout == 0
+    set_smem_carveout(None, 0)  # the interpreter's launches have no compiled kernel: nothing to set

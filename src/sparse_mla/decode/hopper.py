@@ -89,6 +89,7 @@ from ..runtime import LOG2E
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, hopper_head_tile
 from .combine import combine_fwd
 from .launcher import launch as launch_kernel
+from .launcher import set_smem_carveout
 from .workspace import split_accumulators
 
 __all__ = [
@@ -142,6 +143,10 @@ class HopperConfig:
             (``setmaxnreg``) of each of the two producer partitions, and the kernel's register
             cap over its ``4 + 2 · narrow16_producer_warps`` warps; the consumer gets
             ``(4 + 2 w) · narrow16_maxnreg / 4 − 2 w · narrow16_producer_regs / 4`` (w: the warps).
+        smem_carveout: -1 (Triton's choice: the most shared memory, 28 KB of L1 on Hopper) or the
+            percent hint of :func:`.launcher.set_smem_carveout` (0: the smallest carveout that fits
+            the kernel, e.g. 196 KB and 60 KB of L1 for the 169 KB of 16-head tiles); applied
+            from a compiled kernel's second launch on.
     """
 
     producer_warps: int = 4
@@ -153,8 +158,12 @@ class HopperConfig:
     narrow16_producer_warps: int = 4
     narrow16_producer_regs: int = 128
     narrow16_maxnreg: int = 168
+    smem_carveout: int = -1
 
     def __post_init__(self) -> None:
+        c = self.smem_carveout
+        if isinstance(c, bool) or not isinstance(c, int) or not -1 <= c <= 100:
+            raise ValueError(f"HopperConfig.smem_carveout: expected -1 or a percent in 0..100, got {c!r}")
         names = ("producer_warps", "producer_regs", "maxnreg", "narrow_producer_warps", "pv_regs")
         names += ("narrow16_producer_warps", "narrow16_producer_regs", "narrow16_maxnreg")
         for name in names:
@@ -1297,7 +1306,9 @@ def launch(
         PV_REGS=config.pv_regs,
     )
     options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
-    launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options)
+    compiled = launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options)
+    if config.smem_carveout >= 0:  # from the next launch on
+        set_smem_carveout(compiled, config.smem_carveout)
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)
     return out, lse

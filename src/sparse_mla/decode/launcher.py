@@ -36,7 +36,15 @@ from triton import knobs
 
 from ..runtime import interpreting
 
-__all__ = ["launch", "launch_fitting", "direct_launch_enabled", "recording", "make_replay", "Replay"]
+__all__ = [
+    "launch",
+    "launch_fitting",
+    "direct_launch_enabled",
+    "recording",
+    "make_replay",
+    "Replay",
+    "set_smem_carveout",
+]
 
 _ENV = "SPARSE_MLA_DIRECT_LAUNCH"
 try:  # the variable read straight from os.environ's own store: os.environ.get costs ~0.6 µs a call
@@ -83,9 +91,10 @@ def _hooks_installed() -> bool:
     return False
 
 
-def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, options: dict) -> None:
+def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, options: dict) -> Any:
     """``kernel[grid](*args, **consts, **options)``, through the compiled kernel's launcher when
-    this specialisation was launched before.
+    this specialisation was launched before. Returns the compiled kernel (None under the
+    interpreter).
 
     Args:
         kernel: a ``triton.jit`` / ``gluon.jit`` function.
@@ -95,9 +104,9 @@ def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, o
         options: launch options (``num_warps``, ``num_stages``, ``maxnreg``, ...).
     """
     if not direct_launch_enabled():
-        kernel[grid](*args, **consts, **options)
+        compiled = kernel[grid](*args, **consts, **options)
         _record(None)
-        return
+        return None if interpreting() else compiled
     dev = torch.cuda.current_device()
     # inline for the common argument types (a function call per argument costs more than the rest)
     spec = tuple(
@@ -114,7 +123,7 @@ def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, o
                 _CACHE.clear()
             _CACHE[key] = (compiled, names)
         _record((compiled, grid, (*args, *(consts[n] for n in names))) if reusable else None)
-        return
+        return compiled
     compiled, names = hit
     full = (*args, *(consts[n] for n in names))
     stream = torch._C._cuda_getCurrentRawStream(dev)
@@ -131,6 +140,38 @@ def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, o
         *full,
     )
     _record((compiled, grid, full))
+    return compiled
+
+
+_CARVEOUT_SET: dict[tuple[int, int], int] = {}  # (CUfunction handle, device) -> percent set
+
+
+def set_smem_carveout(compiled: Any, percent: int) -> None:
+    """Hint the driver's split of an SM's unified L1 / shared memory for ``compiled``'s launches
+    (``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT``: ``percent`` of the most shared memory
+    an SM has; the driver takes the smallest supported carveout at or above it that fits the
+    kernel, so 0 means "as much L1 as the kernel's shared memory leaves"). Triton asks for the
+    most shared memory (``CU_FUNC_CACHE_PREFER_SHARED``) for every kernel past 48 KB, which
+    leaves 28 KB of L1 on Hopper. Once per compiled function; a no-op for None (the interpreter).
+
+    Raises:
+        ValueError: ``percent`` outside 0..100.
+        RuntimeError: the driver refused the attribute (its CUresult in the message).
+    """
+    if isinstance(percent, bool) or not isinstance(percent, int) or not 0 <= percent <= 100:
+        raise ValueError(f"percent: expected an int in 0..100, got {percent!r}")
+    if compiled is None:
+        return
+    fn = int(compiled.function)
+    key = (fn, torch.cuda.current_device())
+    if _CARVEOUT_SET.get(key) == percent:
+        return
+    import ctypes
+
+    res = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(fn), ctypes.c_int(9), ctypes.c_int(percent))
+    if res != 0:
+        raise RuntimeError(f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT, {percent}) failed: CUresult {res}")
+    _CARVEOUT_SET[key] = percent
 
 
 _STAGE_CAP: dict = {}  # (kernel, variant) -> most pipeline stages that fit in shared memory
