@@ -34,15 +34,15 @@ BLOCK_T = 64  # records per program
 
 @triton.jit
 def _gather_max_kernel(
-    cache_ptr, stride_blk, stride_tok, idx_ptr, n, out_ptr, PBS: tl.constexpr, WORDS: tl.constexpr,
+    cache_ptr, stride_blk, stride_tok, n_slots, idx_ptr, n, out_ptr, PBS: tl.constexpr, WORDS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     """Program ``p``: the max over the int32 words of records ``idx[64 p .. 64 p + 63]`` (slot
-    ``s`` at byte ``(s // PBS) * stride_blk + (s % PBS) * stride_tok``; ``-1``: skipped)."""
+    ``s`` at byte ``(s // PBS) * stride_blk + (s % PBS) * stride_tok``; outside ``[0, n_slots)``: skipped)."""
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     idx = tl.load(idx_ptr + t, mask=t < n, other=-1)
-    valid = idx >= 0
+    valid = (idx >= 0) & (idx < n_slots)
     s = tl.where(valid, idx, 0)
     base = (s // PBS).to(tl.int64) * stride_blk + (s % PBS).to(tl.int64) * stride_tok
     base = tl.multiple_of(base, 16)
@@ -55,8 +55,8 @@ def _gather_max_kernel(
 def gather_max(
     k_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None, carveout: int = -1
 ) -> torch.Tensor:
-    """Per 64 indices (flattened ``indices``, int32 slots below ``num_blocks * page_block_size``,
-    ``-1`` skipped): the max int32 word of
+    """Per 64 indices (flattened ``indices``, int32 slots; ``-1`` and slots past the cache's
+    ``num_blocks * page_block_size`` skipped): the max int32 word of
     their records in ``k_cache`` (a paged FP8 cache ``[num_blocks, page_block_size, 1, bytes]``,
     records a multiple of 16 bytes at 16-byte aligned addresses). Returns int32 ``[ceil(n / 64)]``;
     a group with no valid index gives ``-2**31``. ``carveout`` >= 0: the shared-memory carveout
@@ -72,7 +72,7 @@ def gather_max(
         out = torch.empty(grid[0], dtype=torch.int32, device=idx.device)
     words = rec // 4
     compiled = _gather_max_kernel[grid](
-        raw, raw.stride(0), raw.stride(1), idx, n, out, PBS=raw.shape[1], WORDS=words, BLOCK_T=BLOCK_T,
+        raw, raw.stride(0), raw.stride(1), raw.shape[0] * raw.shape[1], idx, n, out, PBS=raw.shape[1], WORDS=words, BLOCK_T=BLOCK_T,
         BLOCK_W=triton.next_power_of_2(words), num_warps=4,
     )  # fmt: skip
     if carveout >= 0 and not interpreting():
@@ -87,7 +87,7 @@ def gather_max_reference(k_cache: torch.Tensor, indices: torch.Tensor) -> torch.
     idx = indices.reshape(-1).long().cpu()
     n = idx.numel()
     words = torch.full((triton.cdiv(n, BLOCK_T) * BLOCK_T, raw.shape[-1] // 4), -(2**31), dtype=torch.int32)
-    valid = idx >= 0
+    valid = (idx >= 0) & (idx < raw.shape[0] * pbs)
     s = idx[valid]
     recs = raw.cpu()[s // pbs, s % pbs, 0].contiguous().view(torch.int32)
     words[:n][valid] = recs
