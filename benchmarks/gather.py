@@ -59,23 +59,39 @@ def gather_max(
     ``num_blocks * page_block_size`` skipped): the max int32 word of
     their records in ``k_cache`` (a paged FP8 cache ``[num_blocks, page_block_size, 1, bytes]``,
     records a multiple of 16 bytes at 16-byte aligned addresses). Returns int32 ``[ceil(n / 64)]``;
-    a group with no valid index gives ``-2**31``. ``carveout`` >= 0: the shared-memory carveout
-    hint (percent, :func:`sparse_mla.decode.launcher.set_smem_carveout`) for the next launches."""
+    a group with no valid index gives ``-2**31``. ``carveout``: the shared-memory carveout hint
+    (percent, -1: the driver's default; :func:`sparse_mla.decode.launcher.set_smem_carveout`) for
+    the next launches.
+
+    Raises:
+        ValueError: ``k_cache`` not ``[num_blocks, page_block_size, 1, bytes]`` with unit byte stride
+            and 16-byte records and strides; ``out`` not a contiguous int32 ``[ceil(n / 64)]`` on the
+            indices' device.
+    """
     raw = cache_bytes(k_cache)
+    if raw.dim() != 4 or raw.shape[2] != 1 or raw.stride(3) != 1:
+        raise ValueError(
+            f"k_cache: expected [num_blocks, page_block_size, 1, bytes] with unit byte stride, got shape "
+            f"{list(raw.shape)} strides {tuple(raw.stride())}"
+        )
     rec = raw.shape[-1]
     if rec % 16 or raw.stride(1) % 16 or raw.stride(0) % 16 or raw.data_ptr() % 16:
         raise ValueError(f"k_cache: records of {rec} bytes at strides {tuple(raw.stride())}: expected multiples of 16")
-    idx = indices.reshape(-1)
+    idx = indices.reshape(-1).contiguous()
     n = idx.numel()
     grid = (triton.cdiv(n, BLOCK_T),)
     if out is None:
         out = torch.empty(grid[0], dtype=torch.int32, device=idx.device)
+    elif out.dtype != torch.int32 or tuple(out.shape) != grid or not out.is_contiguous() or out.device != idx.device:
+        raise ValueError(
+            f"out: expected a contiguous int32 [{grid[0]}] on {idx.device}, got {out.dtype} {list(out.shape)}"
+        )
     words = rec // 4
     compiled = _gather_max_kernel[grid](
         raw, raw.stride(0), raw.stride(1), raw.shape[0] * raw.shape[1], idx, n, out, PBS=raw.shape[1], WORDS=words, BLOCK_T=BLOCK_T,
         BLOCK_W=triton.next_power_of_2(words), num_warps=4,
     )  # fmt: skip
-    if carveout >= 0 and not interpreting():
+    if not interpreting():
         set_smem_carveout(compiled, carveout)
     return out
 
@@ -143,8 +159,7 @@ def main(argv=None) -> int:
         action="append",
         default=None,
         help="shared-memory carveout hints to run (percent; -1: the driver's default; 100: the most shared "
-        "memory, the L1 a kernel past 48 KB gets from Triton); repeatable, run in increasing order (a hint "
-        "stays set on the compiled kernel), default -1",
+        "memory, the L1 a kernel past 48 KB gets from Triton); repeatable, default -1",
     )
     a = ap.parse_args(argv)
     if not harness.has_cuda("benchmarks.gather"):
@@ -152,9 +167,8 @@ def main(argv=None) -> int:
     copy = harness.copy_ceiling_gbs()
     print(f"# device copy {copy:.0f} GB/s")
     rows = []
-    for s, c in (
-        (s, c) for s in harness.select(harness.SMALL_HEAD_SHAPES, a.only) for c in sorted(set(a.carveout or [-1]))
-    ):
+    shapes = harness.select(harness.SMALL_HEAD_SHAPES, a.only)
+    for c, s in ((c, s) for c in a.carveout or [-1] for s in shapes):
         for r in rows_for(s, a.quick, c):
             r["pct_copy"] = 100 * r["gbs"] / copy
             rows.append(r)

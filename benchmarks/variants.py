@@ -98,7 +98,12 @@ def time_variant(s: harness.DecodeShape, backend: str, config: Any, quick: bool)
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="b=64,h_q=128,d_qk=576", help="shape filters k=v,k=v; several separated by ';'")
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="shape filters k=v,k=v; several separated by ';' (default: b=64,h_q=128,d_qk=576, or with "
+        "--set small_heads b=128,h_q=16,d_qk=576)",
+    )
     ap.add_argument("--set", default="default", choices=sorted(harness.SHAPE_SETS), help="row set to filter")
     ap.add_argument("--variant", action="append", default=[], help="NAME=BACKEND:KEY=V,KEY=V[:check]")
     ap.add_argument("--full", action="store_true", help="full repetitions (default quick)")
@@ -107,7 +112,11 @@ def main(argv=None) -> int:
     if not harness.has_cuda("benchmarks.variants"):
         return 2
     variants = [parse_variant(v) for v in a.variant] or DEFAULT
-    shapes = harness.select(harness.SHAPE_SETS[a.set], a.only)
+    only = a.only or ("b=128,h_q=16,d_qk=576" if a.set == "small_heads" else "b=64,h_q=128,d_qk=576")
+    shapes = harness.select(harness.SHAPE_SETS[a.set], only)
+    if not shapes:
+        print(f"benchmarks.variants: --only {only!r} selects no row of the {a.set} set", file=sys.stderr)
+        return 2
     out = []
     for name, backend, config, check in variants:
         res = dict(name=name, backend=backend, config=dataclasses.asdict(config), rows=[])

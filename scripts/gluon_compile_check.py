@@ -103,7 +103,7 @@ def compile_kernel(
         PBS_POW2=pbs_pow2,
         PBS_LOG2=pbs_log2,
         ALIGN=align,
-        PRODUCER_WARPS=producer_warps or default_producer_warps(heads),
+        PRODUCER_WARPS=default_producer_warps(heads) if producer_warps is None else producer_warps,
         PRODUCER_REGS=producer_regs,
         PROFILE=sdg.PROFILE_OFF,
         HEADS=heads,
@@ -203,6 +203,8 @@ def main() -> int:
     if a.align != 16 and not a.bf16_kv:
         ap.error("--align: only with --bf16-kv")
     _register_defaults(a)
+    if a.producer_warps is not None and a.producer_warps not in (1, 2, 4, 8):
+        ap.error(f"--producer-warps: expected 1, 2, 4 or 8, got {a.producer_warps}")
     pow2 = a.pbs & (a.pbs - 1) == 0
     k = compile_kernel(
         a.sink,

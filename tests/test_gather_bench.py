@@ -40,3 +40,12 @@ def test_gather_max_pool_view_and_bad_records():
     m1 = flash_mla.quantize_k_cache(k1, "MODEL1").to(DEVICE)  # 584-byte records
     with pytest.raises(ValueError, match="k_cache: records of 584 bytes"):
         gather_max(m1, idx[:4].remainder(32))
+    # a broadcast record (byte stride 0) would read past the storage: refused
+    flat = torch.zeros(2, 16, 1, 16, dtype=torch.uint8, device=DEVICE)[..., :1].expand(2, 16, 1, 656)
+    with pytest.raises(ValueError, match="k_cache: expected .* unit byte stride"):
+        gather_max(flat, idx[:4].remainder(32))
+    with pytest.raises(ValueError, match=r"out: expected a contiguous int32 \[1\]"):
+        gather_max(view, idx, out=torch.empty(0, dtype=torch.int32, device=DEVICE))
+    # strided and expanded index views are valid inputs
+    for ix in (idx[::2], idx[:1].expand(64)):
+        assert torch.equal(gather_max(view, ix).cpu(), gather_max_reference(view, ix).cpu())

@@ -213,12 +213,24 @@ def test_model1_partial_head_tile_and_odd_pages():
 @pytest.mark.parametrize("h_q", [16, 64])
 def test_smem_carveout_hint_keeps_results(h_q, monkeypatch):
     # the L1 / shared-memory split hinted from the second launch on (HopperConfig.smem_carveout):
-    # the kernel's results do not depend on it
-    from sparse_mla.decode import hopper
+    # the driver holds the hint, the kernel's results do not depend on it, and a default launch
+    # takes it back
+    import ctypes
+
+    from sparse_mla.decode import hopper, launcher
 
     q, kc, idx, kw = make_case(3, 2, h_q, seed=40 + h_q, sink=True)
     base = run_gluon(q, kc, idx, None, **kw)[:2]
-    monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", hopper.HopperConfig(smem_carveout=0))
-    for _ in range(2):
-        out, lse = check(q, kc, idx, None, **kw)
-        assert torch.equal(out, base[0]) and torch.equal(lse, base[1])
+    with monkeypatch.context() as m:
+        m.setattr(hopper, "_DEFAULT_CONFIG", hopper.HopperConfig(smem_carveout=0))
+        for _ in range(2):
+            out, lse = check(q, kc, idx, None, **kw)
+            assert torch.equal(out, base[0]) and torch.equal(lse, base[1])
+    hinted = [fn for fn, v in launcher._CARVEOUT_SET.items() if v == 0]
+    assert hinted
+    cu = ctypes.CDLL("libcuda.so.1")
+    for fn, _dev in hinted:
+        v = ctypes.c_int(-7)
+        assert cu.cuFuncGetAttribute(ctypes.byref(v), 9, ctypes.c_void_p(fn)) == 0 and v.value == 0
+    out, lse = run_gluon(q, kc, idx, None, **kw)[:2]  # the default config again: the hint is taken back
+    assert torch.equal(out, base[0]) and all(launcher._CARVEOUT_SET[k] == -1 for k in hinted)

@@ -88,8 +88,8 @@ from ..problem import DecodeProblem, output_tensors
 from ..runtime import LOG2E
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, hopper_head_tile
 from .combine import combine_fwd
+from .launcher import any_smem_carveout_set, set_smem_carveout
 from .launcher import launch as launch_kernel
-from .launcher import set_smem_carveout
 from .workspace import split_accumulators
 
 __all__ = [
@@ -135,18 +135,19 @@ class HopperConfig:
             pv_regs`` (216 at the defaults).
         profile: a ``PROFILE_*`` mode (profiling tools only).
         narrow_producer_warps: warps of each of the two producer partitions beside the
-            one-warpgroup consumer of 16- or 32-head tiles (:func:`_consumer_narrow`), where the
+            one-warpgroup consumer of 32-head tiles (:func:`_consumer_narrow`), where the
             producer's per-token work is what bounds the kernel.
         pv_regs: registers per thread of the P·V warpgroup of 64-head tiles (:func:`_consumer_pv`).
         narrow16_producer_warps, narrow16_producer_regs, narrow16_maxnreg: the same for 16-head
-            tiles (h_q <= 16), whose consumer needs the fewest registers: warps and registers
-            (``setmaxnreg``) of each of the two producer partitions, and the kernel's register
-            cap over its ``4 + 2 · narrow16_producer_warps`` warps; the consumer gets
-            ``(4 + 2 w) · narrow16_maxnreg / 4 − 2 w · narrow16_producer_regs / 4`` (w: the warps).
+            tiles (h_q <= 16), whose consumer needs the fewest registers: warps (2, 4 or 8) and
+            registers (``setmaxnreg``) of each of the two producer partitions, and the kernel's
+            register cap (a multiple of 8) over its ``4 + 2 w`` warps (w: the producer warps); the
+            consumer gets ``(4 + 2 w) · narrow16_maxnreg / 4 − 2 w · narrow16_producer_regs / 4``.
         smem_carveout: -1 (Triton's choice: the most shared memory, 28 KB of L1 on Hopper) or the
             percent hint of :func:`.launcher.set_smem_carveout` (0: the smallest carveout that fits
             the kernel, e.g. 196 KB and 60 KB of L1 for the 169 KB of 16-head tiles); applied
-            from a compiled kernel's second launch on.
+            from a compiled kernel's second launch on (a launch with -1 takes an earlier hint
+            back).
     """
 
     producer_warps: int = 4
@@ -178,8 +179,10 @@ class HopperConfig:
             v = getattr(self, name)
             if v % 8 or not 24 <= v <= 256:
                 raise ValueError(f"HopperConfig.{name}: expected a multiple of 8 in [24, 256], got {v}")
-        if self.maxnreg > 255:
-            raise ValueError(f"HopperConfig.maxnreg: expected at most 255, got {self.maxnreg}")
+        if self.maxnreg > 168:  # 12 warps x 32 threads x maxnreg (in steps of 8) <= 65536
+            raise ValueError(
+                f"HopperConfig.maxnreg: expected at most 168 (65536 registers over 12 warps), got {self.maxnreg}"
+            )
         left = 3 * (self.maxnreg // 8 * 8) - self.producer_regs - self.pv_regs
         if not 24 <= left <= 256:
             raise ValueError(
@@ -187,15 +190,17 @@ class HopperConfig:
                 f"{left} registers, expected 24 to 256"
             )
         w = self.narrow16_producer_warps
-        if w not in (1, 2, 4, 8):
-            raise ValueError(f"HopperConfig.narrow16_producer_warps: expected 1, 2, 4 or 8, got {w}")
-        cap = self.narrow16_maxnreg // 8 * 8
-        if cap > 255 or cap * (4 + 2 * w) * 32 > 65536:
+        if w not in (2, 4, 8):  # the two partitions fill whole warpgroups (Triton pads them to 4 warps)
+            raise ValueError(f"HopperConfig.narrow16_producer_warps: expected 2, 4 or 8, got {w}")
+        warps = 4 + 2 * w
+        m = self.narrow16_maxnreg
+        most = min(248, 65536 // (32 * warps)) // 8 * 8
+        if m % 8 or m > most:
             raise ValueError(
-                f"HopperConfig.narrow16_maxnreg: {self.narrow16_maxnreg} registers x {4 + 2 * w} warps is past "
-                "the 65536 registers of an SM"
+                f"HopperConfig.narrow16_maxnreg: expected a multiple of 8 of at most {most} (65536 registers "
+                f"over {warps} warps), got {m}"
             )
-        left = (cap * (4 + 2 * w) - 2 * w * self.narrow16_producer_regs) // 4
+        left = (m * warps - 2 * w * self.narrow16_producer_regs) // 4
         if not 24 <= left <= 256:
             raise ValueError(
                 "HopperConfig: the 16-head consumer would get (4 + 2 w) * narrow16_maxnreg / 4 - 2 w * "
@@ -1307,7 +1312,7 @@ def launch(
     )
     options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
     compiled = launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options)
-    if config.smem_carveout >= 0:  # from the next launch on
+    if config.smem_carveout >= 0 or any_smem_carveout_set():  # from the next launch on
         set_smem_carveout(compiled, config.smem_carveout)
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)

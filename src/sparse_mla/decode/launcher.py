@@ -44,6 +44,7 @@ __all__ = [
     "make_replay",
     "Replay",
     "set_smem_carveout",
+    "any_smem_carveout_set",
 ]
 
 _ENV = "SPARSE_MLA_DIRECT_LAUNCH"
@@ -144,34 +145,48 @@ def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, o
 
 
 _CARVEOUT_SET: dict[tuple[int, int], int] = {}  # (CUfunction handle, device) -> percent set
+_CARVEOUT_LOCK = threading.Lock()
+
+
+def any_smem_carveout_set() -> bool:
+    """Whether :func:`set_smem_carveout` has set a hint on some kernel in this process (a launch
+    with the default -1 then has to check that its kernel's hint is back to the default)."""
+    return bool(_CARVEOUT_SET)
 
 
 def set_smem_carveout(compiled: Any, percent: int) -> None:
     """Hint the driver's split of an SM's unified L1 / shared memory for ``compiled``'s launches
     (``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT``: ``percent`` of the most shared memory
     an SM has; the driver takes the smallest supported carveout at or above it that fits the
-    kernel, so 0 means "as much L1 as the kernel's shared memory leaves"). Triton asks for the
-    most shared memory (``CU_FUNC_CACHE_PREFER_SHARED``) for every kernel past 48 KB, which
-    leaves 28 KB of L1 on Hopper. Once per compiled function; a no-op for None (the interpreter).
+    kernel, so 0 means "as much L1 as the kernel's shared memory leaves"; -1 takes the hint back,
+    to the cache preference the kernel was loaded with). Triton asks for the most shared memory
+    (``CU_FUNC_CACHE_PREFER_SHARED``) for every kernel past 48 KB, which leaves 28 KB of L1 on
+    Hopper. The hint belongs to the compiled kernel (every later launch of it, from any caller);
+    it is set only when it changes. A no-op for None (the interpreter) and for a handle that is
+    not a driver function (the host-time stub).
 
     Raises:
-        ValueError: ``percent`` outside 0..100.
+        ValueError: ``percent`` outside -1..100.
         RuntimeError: the driver refused the attribute (its CUresult in the message).
     """
-    if isinstance(percent, bool) or not isinstance(percent, int) or not 0 <= percent <= 100:
-        raise ValueError(f"percent: expected an int in 0..100, got {percent!r}")
-    if compiled is None:
+    if isinstance(percent, bool) or not isinstance(percent, int) or not -1 <= percent <= 100:
+        raise ValueError(f"percent: expected -1 or an int in 0..100, got {percent!r}")
+    fn = getattr(compiled, "function", None)
+    if type(fn) is not int:
         return
-    fn = int(compiled.function)
     key = (fn, torch.cuda.current_device())
-    if _CARVEOUT_SET.get(key) == percent:
-        return
-    import ctypes
+    with _CARVEOUT_LOCK:
+        if _CARVEOUT_SET.get(key, -1) == percent:
+            return
+        import ctypes
 
-    res = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(fn), ctypes.c_int(9), ctypes.c_int(percent))
-    if res != 0:
-        raise RuntimeError(f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT, {percent}) failed: CUresult {res}")
-    _CARVEOUT_SET[key] = percent
+        cu = ctypes.CDLL("libcuda.so.1")
+        res = cu.cuFuncSetAttribute(ctypes.c_void_p(fn), ctypes.c_int(9), ctypes.c_int(percent))
+        if res != 0:
+            raise RuntimeError(
+                f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT, {percent}) failed: CUresult {res}"
+            )
+        _CARVEOUT_SET[key] = percent
 
 
 _STAGE_CAP: dict = {}  # (kernel, variant) -> most pipeline stages that fit in shared memory
