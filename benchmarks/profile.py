@@ -4,6 +4,7 @@ each kernel's GPU time per call (torch.profiler: decode kernel vs combine kernel
     ncu --clock-control none -k regex:gluon --launch-skip 2 --launch-count 1 \\
         python3 -m benchmarks.profile --b 64 --h-q 128
     python3 -m benchmarks.profile --b 1 --s-q 1 --breakdown [--backend portable] [--profile-mode 1]
+        [--smem-carveout 0]
 """
 
 from __future__ import annotations
@@ -30,13 +31,20 @@ def main(argv=None) -> int:
     ap.add_argument("--d-qk", type=int, default=576)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--profile-mode", type=int, default=0, help="HopperConfig.profile (hopper backend only)")
+    ap.add_argument(
+        "--smem-carveout",
+        type=int,
+        default=-1,
+        help="HopperConfig.smem_carveout (percent hint from the second call on; -1: Triton's choice)",
+    )
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--breakdown", action="store_true", help="per-kernel GPU time over 50 calls (torch.profiler)")
     a = ap.parse_args(argv)
     inp = harness.decode_inputs(harness.DecodeShape(a.b, a.h_q, a.s_q, a.topk, a.d_qk))
     problems = [validate_sparse_decode(q=inp.q, k_cache=inp.k_cache, indices=ix) for ix in inp.index_sets[:2]]
     plan = plan_decode(problems[0], backend=a.backend)
-    config = HopperConfig(profile=a.profile_mode) if plan.backend.name == "hopper" else None
+    hopper = plan.backend.name == "hopper"
+    config = HopperConfig(profile=a.profile_mode, smem_carveout=a.smem_carveout) if hopper else None
     launch = get_backend(plan.backend.name).launch
     print(f"backend {plan.backend.name}, {plan.table.num_sm_parts} partitions")
 
