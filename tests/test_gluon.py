@@ -234,3 +234,18 @@ def test_smem_carveout_hint_keeps_results(h_q, monkeypatch):
         assert cu.cuFuncGetAttribute(ctypes.byref(v), 9, ctypes.c_void_p(fn)) == 0 and v.value == 0
     out, lse = run_gluon(q, kc, idx, None, **kw)[:2]  # the default config again: the hint is taken back
     assert torch.equal(out, base[0]) and all(launcher._CARVEOUT_SET[k] == -1 for k in hinted)
+
+
+@pytest.mark.parametrize("layout", ["V32", "MODEL1"])
+@pytest.mark.parametrize("h_q", [5, 16, 32])
+@pytest.mark.parametrize("num_sms", [None, 2])
+def test_narrow_p_in_stage(layout, h_q, num_sms, monkeypatch):
+    # HopperConfig.narrow_p_in_stage: the narrow consumer's Pᵀ in the stage's RoPE rows (no P buffer)
+    from sparse_mla.decode import hopper
+
+    monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", hopper.HopperConfig(narrow_p_in_stage=True))
+    q, kc, idx, kw = make_case(
+        4, 2, h_q, topk=512, seed=60 + h_q, layout=layout, sink=True, topk_length=[512, 1, 300, 0], nan_unused=True
+    )
+    out, lse = check(q, kc, idx, num_sms, **kw)
+    assert torch.isfinite(out.float()).all() and torch.isposinf(lse[3]).all()

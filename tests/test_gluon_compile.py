@@ -140,3 +140,14 @@ def test_smem_carveout_hint_checks():
         function = "stub"
 
     set_smem_carveout(Stub(), 0)
+
+
+def test_16_head_tile_with_p_in_stage_fits_the_164_kb_carveout(tmp_path):
+    # HopperConfig.narrow_p_in_stage: no P buffer; with the driver's 1 KB per CTA the 16-head tile
+    # fits the 164 KiB carveout step (167936 B), the default tile does not
+    def shared(*args):
+        report = run_check("--heads", "16", *args, tmp_path=tmp_path)
+        return int(re.search(r"shared=(\d+) B", report).group(1))
+
+    assert shared("--p-in-stage") + 1024 <= 164 * 1024 < shared() + 1024
+    assert count(run_check("--heads", "16", "--p-in-stage", tmp_path=tmp_path), "sass HGMMA") == 68

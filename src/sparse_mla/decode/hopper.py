@@ -148,6 +148,10 @@ class HopperConfig:
             the kernel, e.g. 196 KB and 60 KB of L1 for the 169 KB of 16-head tiles); applied
             from a compiled kernel's second launch on (a launch with -1 takes an earlier hint
             back).
+        narrow_p_in_stage: the 16/32-head consumer keeps Pᵀ in the stage's RoPE rows (free once
+            Sᵀ is computed, until the stage is released) instead of its own 2-4 KB buffer: the
+            16-head tile's 168.7 KB of shared memory become 166.7 KB, under the 164 KiB carveout
+            step (92 KB of L1 with ``smem_carveout=0`` instead of 60).
     """
 
     producer_warps: int = 4
@@ -160,8 +164,11 @@ class HopperConfig:
     narrow16_producer_regs: int = 128
     narrow16_maxnreg: int = 168
     smem_carveout: int = -1
+    narrow_p_in_stage: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.narrow_p_in_stage, bool):
+            raise ValueError(f"HopperConfig.narrow_p_in_stage: expected a bool, got {self.narrow_p_in_stage!r}")
         c = self.smem_carveout
         if isinstance(c, bool) or not isinstance(c, int) or not -1 <= c <= 100:
             raise ValueError(f"HopperConfig.smem_carveout: expected -1 or a percent in 0..100, got {c!r}")
@@ -793,6 +800,7 @@ def _consumer_narrow(
     HAS_SINK: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr,
     PROFILE: gl.constexpr,
+    P_IN_STAGE: gl.constexpr = False,
 ):
     """The consumer of 16- or 32-head tiles (one warpgroup): the block's 64 tokens are the wgmmas' M and the
     ``HEADS`` heads their N, ``Sᵀ = K Qᵀ [64, HEADS]`` and ``Oᵀ += Vᵀ Pᵀ [512, HEADS]``, so no MMA row
@@ -804,6 +812,7 @@ def _consumer_narrow(
     ml_ptr, stride_mlb, stride_mlh = max_logits
     k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
     HEADS: gl.constexpr = q_smem.shape[0]
+    P_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEADS], gl.bfloat16)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 16])
     SROW: gl.constexpr = gl.SliceLayout(1, S_L)  # tokens
     SCOL: gl.constexpr = gl.SliceLayout(0, S_L)  # heads
@@ -870,10 +879,13 @@ def _consumer_narrow(
                 l_i = l_i * alpha + gl.sum(p, axis=0)
                 m_i = m_new
                 acc = acc * gl.expand_dims(alpha, 0)
-                p_smem.store(p.to(gl.bfloat16))
+                pbuf = p_smem
+                if P_IN_STAGE:  # the stage's RoPE rows, read by Sᵀ above, hold Pᵀ until the release
+                    pbuf = kr_smem.index(stage)._reinterpret(gl.bfloat16, [64, HEADS], P_LAYOUT)
+                pbuf.store(p.to(gl.bfloat16))
                 fence_async_shared()
                 _cta_barrier()
-                acc = warpgroup_mma(kbuf.permute([1, 0]), p_smem, acc)
+                acc = warpgroup_mma(kbuf.permute([1, 0]), pbuf, acc)
                 _cta_barrier()
                 mbarrier.arrive(empty_bars.index(stage), count=1)
             it += 1
@@ -975,6 +987,7 @@ def _sparse_decode_gluon_kernel(
     PROFILE: gl.constexpr,
     HEADS: gl.constexpr,
     PV_REGS: gl.constexpr,
+    NARROW_P_IN_STAGE: gl.constexpr = False,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / HEADS))``; flat arguments (``scripts/gluon_compile_check.py``
     builds the signature from their names), grouped into tuples for the partitions."""
@@ -984,10 +997,16 @@ def _sparse_decode_gluon_kernel(
     qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, D_ROPE], SW)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, D_NOPE], SW)
     kr_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, D_ROPE], SW)
-    # P (bf16): [64 heads, 64 tokens] for 64-head tiles, [64 tokens, HEADS] for narrow ones
-    p_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [64, HEADS], gl.NVMMASharedLayout.get_default_for([64, HEADS], gl.bfloat16)
-    )
+    # P (bf16): [64 heads, 64 tokens] for 64-head tiles, [64 tokens, HEADS] for narrow ones; with
+    # NARROW_P_IN_STAGE the narrow consumer keeps Pᵀ in the stage's RoPE rows instead (no buffer:
+    # 2-4 KB less shared memory, the 16-head tile under the 164 KB carveout step)
+    P_IN_STAGE: gl.constexpr = NARROW_P_IN_STAGE and HEADS < 64
+    if P_IN_STAGE:
+        p_smem = kr_smem  # a placeholder, never used
+    else:
+        p_smem = gl.allocate_shared_memory(
+            gl.bfloat16, [64, HEADS], gl.NVMMASharedLayout.get_default_for([64, HEADS], gl.bfloat16)
+        )
     mask_smem = gl.allocate_shared_memory(
         gl.float32, [NUM_STAGES, 64], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     )
@@ -1109,6 +1128,7 @@ def _sparse_decode_gluon_kernel(
                         HAS_SINK,
                         HAS_MAX_LOGITS,
                         PROFILE,
+                        P_IN_STAGE,
                     ),
                 ),
                 (
@@ -1309,6 +1329,7 @@ def launch(
         PROFILE=config.profile,
         HEADS=heads,
         PV_REGS=config.pv_regs,
+        NARROW_P_IN_STAGE=config.narrow_p_in_stage,
     )
     options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
     compiled = launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options)
