@@ -161,7 +161,7 @@ def set_smem_carveout(compiled: Any, percent: int) -> None:
     kernel, so 0 means "as much L1 as the kernel's shared memory leaves"; -1 takes the hint back,
     to the cache preference the kernel was loaded with). Triton asks for the most shared memory
     (``CU_FUNC_CACHE_PREFER_SHARED``) for every kernel past 48 KB, which leaves 28 KB of L1 on
-    Hopper. The hint belongs to the compiled kernel (every later launch of it, from any caller);
+    Hopper; while a hint is set that preference is none (``CU_FUNC_CACHE_PREFER_NONE``). The hint belongs to the compiled kernel (every later launch of it, from any caller);
     it is set only when it changes. A no-op for None (the interpreter) and for a handle that is
     not a driver function (the host-time stub).
 
@@ -181,11 +181,15 @@ def set_smem_carveout(compiled: Any, percent: int) -> None:
         import ctypes
 
         cu = ctypes.CDLL("libcuda.so.1")
-        res = cu.cuFuncSetAttribute(ctypes.c_void_p(fn), ctypes.c_int(9), ctypes.c_int(percent))
+        # the cache preference Triton loaded the kernel with (PREFER_SHARED past 48 KB of shared
+        # memory, else none) is dropped while a hint is set (the driver documents no precedence
+        # between the two) and restored with -1
+        loaded = 1 if getattr(getattr(compiled, "metadata", None), "shared", 0) > 49152 else 0
+        res = cu.cuFuncSetCacheConfig(ctypes.c_void_p(fn), ctypes.c_int(loaded if percent < 0 else 0))
+        if res == 0:
+            res = cu.cuFuncSetAttribute(ctypes.c_void_p(fn), ctypes.c_int(9), ctypes.c_int(percent))
         if res != 0:
-            raise RuntimeError(
-                f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT, {percent}) failed: CUresult {res}"
-            )
+            raise RuntimeError(f"setting the shared-memory carveout hint {percent} failed: CUresult {res}")
         _CARVEOUT_SET[key] = percent
 
 
