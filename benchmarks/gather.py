@@ -88,8 +88,8 @@ def gather_max(
         )
     words = rec // 4
     compiled = _gather_max_kernel[grid](
-        raw, raw.stride(0), raw.stride(1), raw.shape[0] * raw.shape[1], idx, n, out, PBS=raw.shape[1], WORDS=words, BLOCK_T=BLOCK_T,
-        BLOCK_W=triton.next_power_of_2(words), num_warps=4,
+        raw, raw.stride(0), raw.stride(1), raw.shape[0] * raw.shape[1], idx, n, out,
+        PBS=raw.shape[1], WORDS=words, BLOCK_T=BLOCK_T, BLOCK_W=triton.next_power_of_2(words), num_warps=4,
     )  # fmt: skip
     if not interpreting():
         set_smem_carveout(compiled, carveout)
@@ -110,9 +110,10 @@ def gather_max_reference(k_cache: torch.Tensor, indices: torch.Tensor) -> torch.
     return words.view(-1, BLOCK_T * words.shape[1]).amax(dim=1).to(indices.device)
 
 
-def rows_for(s: harness.DecodeShape, quick: bool, carveout: int = -1) -> list[dict]:
-    """The three gather rows (µs, GB/s on the gathered bytes) for one decode shape; ``carveout``:
-    the shared-memory carveout hint (percent, -1: the driver's default)."""
+def rows_for(s: harness.DecodeShape, quick: bool, carveouts: list[int]) -> list[dict]:
+    """The three gather rows (µs, GB/s on the gathered bytes) for one decode shape, at each of the
+    shared-memory carveout hints ``carveouts`` (percent, -1: the driver's default); the shape's
+    cache and index sets are built once for all of them."""
     inp = harness.decode_inputs(s)
     rec = cache_bytes(inp.k_cache).shape[-1]
     n = inp.index_sets[0].numel()
@@ -126,25 +127,18 @@ def rows_for(s: harness.DecodeShape, quick: bool, carveout: int = -1) -> list[di
     }
     out = torch.empty(triton.cdiv(n, BLOCK_T), dtype=torch.int32, device="cuda")
     rows = []
-    for name, sets in cases.items():
-        state = {"i": 0}
+    for carveout in carveouts:
+        for name, sets in cases.items():
+            state = {"i": 0}
 
-        def call(sets=sets, state=state):
-            state["i"] += 1
-            return gather_max(inp.k_cache, sets[state["i"] % len(sets)], out, carveout)
+            def call(sets=sets, state=state, carveout=carveout):
+                state["i"] += 1
+                return gather_max(inp.k_cache, sets[state["i"] % len(sets)], out, carveout)
 
-        us = harness.median_us(call, quick)
-        valid = sum(int((ix >= 0).sum()) for ix in sets) / len(sets)
-        rows.append(
-            dict(
-                harness.as_dict(s),
-                case=name,
-                carveout=carveout,
-                us=us,
-                gbs=valid * rec / (us * 1e-6) / 1e9,
-                records=valid,
-            )
-        )
+            us = harness.median_us(call, quick)
+            valid = sum(int((ix >= 0).sum()) for ix in sets) / len(sets)
+            gbs = valid * rec / (us * 1e-6) / 1e9
+            rows.append(dict(harness.as_dict(s), case=name, carveout=carveout, us=us, gbs=gbs, records=valid))
     return rows
 
 
@@ -167,13 +161,12 @@ def main(argv=None) -> int:
     copy = harness.copy_ceiling_gbs()
     print(f"# device copy {copy:.0f} GB/s")
     rows = []
-    shapes = harness.select(harness.SMALL_HEAD_SHAPES, a.only)
-    for c, s in ((c, s) for c in a.carveout or [-1] for s in shapes):
-        for r in rows_for(s, a.quick, c):
+    for s in harness.select(harness.SMALL_HEAD_SHAPES, a.only):
+        for r in rows_for(s, a.quick, a.carveout or [-1]):
             r["pct_copy"] = 100 * r["gbs"] / copy
             rows.append(r)
             print(
-                f"b={r['b']} s_q={r['s_q']} topk={r['topk']} d_qk={r['d_qk']} carveout={c} {r['case']:18s} "
+                f"b={r['b']} s_q={r['s_q']} topk={r['topk']} d_qk={r['d_qk']} carveout={r['carveout']} {r['case']:18s} "
                 f"{r['us']:8.1f} us {r['gbs']:7.0f} GB/s {r['pct_copy']:5.1f} % of copy",
                 flush=True,
             )

@@ -178,12 +178,8 @@ class HopperConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"HopperConfig.{name}: expected a positive int, got {v!r}")
-        for name in (
-            "producer_regs",
-            "pv_regs",
-            "narrow16_producer_regs",
-        ):  # setmaxnreg takes multiples of 8 in [24, 256]
-            v = getattr(self, name)
+        for name in ("producer_regs", "pv_regs", "narrow16_producer_regs"):
+            v = getattr(self, name)  # setmaxnreg takes multiples of 8 in [24, 256]
             if v % 8 or not 24 <= v <= 256:
                 raise ValueError(f"HopperConfig.{name}: expected a multiple of 8 in [24, 256], got {v}")
         if self.maxnreg > 168:  # 12 warps x 32 threads x maxnreg (in steps of 8) <= 65536

@@ -161,8 +161,9 @@ def set_smem_carveout(compiled: Any, percent: int) -> None:
     kernel, so 0 means "as much L1 as the kernel's shared memory leaves"; -1 takes the hint back,
     to the cache preference the kernel was loaded with). Triton asks for the most shared memory
     (``CU_FUNC_CACHE_PREFER_SHARED``) for every kernel past 48 KB, which leaves 28 KB of L1 on
-    Hopper; while a hint is set that preference is none (``CU_FUNC_CACHE_PREFER_NONE``). The hint belongs to the compiled kernel (every later launch of it, from any caller);
-    it is set only when it changes. A no-op for None (the interpreter) and for a handle that is
+    Hopper; while a hint is set that preference is none (``CU_FUNC_CACHE_PREFER_NONE``). The
+    hint belongs to the compiled kernel (every later launch of it, from any caller); it is set
+    only when it changes. A no-op for None (the interpreter) and for a handle that is
     not a driver function (the host-time stub).
 
     Raises:
