@@ -34,8 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--smem-carveout",
         type=int,
-        default=-1,
-        help="HopperConfig.smem_carveout (percent hint from the second call on; -1: Triton's choice)",
+        default=0,
+        help="HopperConfig.smem_carveout (percent hint before every launch; default 0: the most L1; -1: Triton's choice)",
     )
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--breakdown", action="store_true", help="per-kernel GPU time over 50 calls (torch.profiler)")

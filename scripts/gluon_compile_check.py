@@ -89,7 +89,6 @@ def compile_kernel(
     max_logits: bool = False,
     pv_regs: int = sdg.HopperConfig().pv_regs,
     producer_warps: int | None = None,
-    p_in_stage: bool = False,
 ):
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
@@ -109,7 +108,6 @@ def compile_kernel(
         PROFILE=sdg.PROFILE_OFF,
         HEADS=heads,
         PV_REGS=pv_regs,
-        NARROW_P_IN_STAGE=p_in_stage,
     )
     ptrs = dict(PTRS, kv_ptr="*bf16") if bf16_kv else PTRS
     sig = {}
@@ -192,7 +190,6 @@ def main() -> int:
     ap.add_argument("--producer-regs", type=int, default=None, help="default: the HopperConfig value for the head tile")
     ap.add_argument("--maxnreg", type=int, default=None, help="default: the HopperConfig value for the head tile")
     ap.add_argument("--producer-warps", type=int, default=None, help="warps of each producer partition")
-    ap.add_argument("--p-in-stage", action="store_true", help="narrow tiles: Pᵀ in the stage's RoPE rows")
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass")
     ap.add_argument(
         "--max-spill",
@@ -224,7 +221,6 @@ def main() -> int:
         max_logits=a.max_logits,
         pv_regs=a.pv_regs,
         producer_warps=a.producer_warps,
-        p_in_stage=a.p_in_stage,
     )
     md = k.metadata
     print(

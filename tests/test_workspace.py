@@ -265,8 +265,17 @@ def test_direct_launch_matches_triton_launch(monkeypatch):
 
     decode_kernel = hopper._sparse_decode_gluon_kernel if meta.backend == "hopper" else portable._sparse_decode_kernel
     through_triton = []
+
+    def counted(run):
+        def run_counted(*a, **kw):
+            if not kw.get("warmup"):  # launches; a compile-only warmup (launcher.launch's prepare) is not one
+                through_triton.append(1)
+            return run(*a, **kw)
+
+        return run_counted
+
     for k in (decode_kernel, combine._combine_kernel):
-        monkeypatch.setattr(k, "run", lambda *a, _run=k.run, **kw: through_triton.append(1) or _run(*a, **kw))
+        monkeypatch.setattr(k, "run", counted(k.run))
     for _ in range(3):
         got = _call(p, meta)
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
@@ -287,3 +296,52 @@ def test_direct_launch_matches_triton_launch(monkeypatch):
     got = _call(p, meta)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert len(through_triton) == 3
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_launch_prepares_the_compiled_kernel_before_its_first_launch(direct, monkeypatch):
+    # launcher.launch(prepare=...): a function attribute (the carveout hint) must be on the kernel
+    # before its first launch, since a CUDA graph captured at the first call keeps what it saw
+    from sparse_mla.decode import launcher
+
+    events = []
+
+    class Compiled:
+        function = 1234
+        packed_metadata = None
+
+        def run(self, *a):
+            events.append("run")
+
+    compiled = Compiled()
+
+    class Kernel:
+        arg_names = ["x", "N"]
+
+        def warmup(self, *args, grid, **kw):
+            events.append("compile")
+            return compiled
+
+        def __getitem__(self, grid):
+            def go(*args, **kw):
+                events.append("launch")
+                return compiled
+
+            return go
+
+    monkeypatch.setattr(launcher, "interpreting", lambda: False)
+    monkeypatch.setattr(launcher, "direct_launch_enabled", lambda: direct)
+    monkeypatch.setattr(launcher, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(launcher, "_CACHE", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 0, raising=False)
+
+    def prepare(c, dev):
+        assert c is compiled and dev == 0
+        events.append("prepare")
+
+    k = Kernel()
+    for _ in range(2):
+        launcher.launch(k, (1, 1, 1), (7,), {"N": 3}, {"num_warps": 4}, prepare)
+    first = ["compile", "prepare", "launch"]
+    assert events == first + (["prepare", "run"] if direct else first)

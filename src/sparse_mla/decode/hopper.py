@@ -71,6 +71,7 @@ partition's scheduler row with :func:`_partition_row`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -143,15 +144,13 @@ class HopperConfig:
             registers (``setmaxnreg``) of each of the two producer partitions, and the kernel's
             register cap (a multiple of 8) over its ``4 + 2 w`` warps (w: the producer warps); the
             consumer gets ``(4 + 2 w) · narrow16_maxnreg / 4 − 2 w · narrow16_producer_regs / 4``.
-        smem_carveout: -1 (Triton's choice: the most shared memory, 28 KB of L1 on Hopper) or the
-            percent hint of :func:`.launcher.set_smem_carveout` (0: the smallest carveout that fits
-            the kernel, e.g. 196 KB and 60 KB of L1 for the 169 KB of 16-head tiles); applied
-            from a compiled kernel's second launch on (a launch with -1 takes an earlier hint
-            back).
-        narrow_p_in_stage: the 16/32-head consumer keeps Pᵀ in the stage's RoPE rows (free once
-            Sᵀ is computed, until the stage is released) instead of its own 2-4 KB buffer: the
-            16-head tile's 168.7 KB of shared memory become 166.7 KB, under the 164 KiB carveout
-            step (92 KB of L1 with ``smem_carveout=0`` instead of 60).
+        smem_carveout: the percent hint of :func:`.launcher.set_smem_carveout`, set before every
+            launch: 0 (default) asks for the smallest carveout that fits the kernel, i.e. the
+            most L1 (the 169 KB of 16-head tiles get 196 KB and 60 KB of L1; the 64-head tiles'
+            206-230 KB need the largest carveout either way), -1 for Triton's choice (the most
+            shared memory: 28 KB of L1 on Hopper; a launch with -1 takes an earlier hint back).
+            Measured on the H200 (session 15, eager): 16-head V3.2 b=128 193.8 → 152.1 µs, the
+            narrow producer's gathers stall on L1 allocation with 28 KB.
     """
 
     producer_warps: int = 4
@@ -163,12 +162,9 @@ class HopperConfig:
     narrow16_producer_warps: int = 4
     narrow16_producer_regs: int = 128
     narrow16_maxnreg: int = 168
-    smem_carveout: int = -1
-    narrow_p_in_stage: bool = False
+    smem_carveout: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.narrow_p_in_stage, bool):
-            raise ValueError(f"HopperConfig.narrow_p_in_stage: expected a bool, got {self.narrow_p_in_stage!r}")
         c = self.smem_carveout
         if isinstance(c, bool) or not isinstance(c, int) or not -1 <= c <= 100:
             raise ValueError(f"HopperConfig.smem_carveout: expected -1 or a percent in 0..100, got {c!r}")
@@ -796,7 +792,6 @@ def _consumer_narrow(
     HAS_SINK: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr,
     PROFILE: gl.constexpr,
-    P_IN_STAGE: gl.constexpr = False,
 ):
     """The consumer of 16- or 32-head tiles (one warpgroup): the block's 64 tokens are the wgmmas' M and the
     ``HEADS`` heads their N, ``Sᵀ = K Qᵀ [64, HEADS]`` and ``Oᵀ += Vᵀ Pᵀ [512, HEADS]``, so no MMA row
@@ -808,7 +803,6 @@ def _consumer_narrow(
     ml_ptr, stride_mlb, stride_mlh = max_logits
     k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
     HEADS: gl.constexpr = q_smem.shape[0]
-    P_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEADS], gl.bfloat16)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 16])
     SROW: gl.constexpr = gl.SliceLayout(1, S_L)  # tokens
     SCOL: gl.constexpr = gl.SliceLayout(0, S_L)  # heads
@@ -875,13 +869,10 @@ def _consumer_narrow(
                 l_i = l_i * alpha + gl.sum(p, axis=0)
                 m_i = m_new
                 acc = acc * gl.expand_dims(alpha, 0)
-                pbuf = p_smem
-                if P_IN_STAGE:  # the stage's RoPE rows, read by Sᵀ above, hold Pᵀ until the release
-                    pbuf = kr_smem.index(stage)._reinterpret(gl.bfloat16, [64, HEADS], P_LAYOUT)
-                pbuf.store(p.to(gl.bfloat16))
+                p_smem.store(p.to(gl.bfloat16))
                 fence_async_shared()
                 _cta_barrier()
-                acc = warpgroup_mma(kbuf.permute([1, 0]), pbuf, acc)
+                acc = warpgroup_mma(kbuf.permute([1, 0]), p_smem, acc)
                 _cta_barrier()
                 mbarrier.arrive(empty_bars.index(stage), count=1)
             it += 1
@@ -913,6 +904,16 @@ def _consumer_narrow(
             gl.store(aptr, o, mask=hmask_o)
             gl.store(lacc_ptr + row * stride_lr + sq * stride_lsq + heads, lse2, mask=hmask)
         req += 1
+
+
+@functools.cache
+def _carveout_prepare(percent: int):
+    """The ``prepare`` hook of :func:`.launcher.launch` that sets ``percent`` (one per value)."""
+
+    def prepare(compiled, dev: int) -> None:
+        set_smem_carveout(compiled, percent, dev)
+
+    return prepare
 
 
 # --------------------------------------------------------------------------------------------- kernel
@@ -983,7 +984,6 @@ def _sparse_decode_gluon_kernel(
     PROFILE: gl.constexpr,
     HEADS: gl.constexpr,
     PV_REGS: gl.constexpr,
-    NARROW_P_IN_STAGE: gl.constexpr = False,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / HEADS))``; flat arguments (``scripts/gluon_compile_check.py``
     builds the signature from their names), grouped into tuples for the partitions."""
@@ -993,16 +993,10 @@ def _sparse_decode_gluon_kernel(
     qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, D_ROPE], SW)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, D_NOPE], SW)
     kr_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, 64, D_ROPE], SW)
-    # P (bf16): [64 heads, 64 tokens] for 64-head tiles, [64 tokens, HEADS] for narrow ones; with
-    # NARROW_P_IN_STAGE the narrow consumer keeps Pᵀ in the stage's RoPE rows instead (no buffer:
-    # 2-4 KB less shared memory, the 16-head tile under the 164 KB carveout step)
-    P_IN_STAGE: gl.constexpr = NARROW_P_IN_STAGE and HEADS < 64
-    if P_IN_STAGE:
-        p_smem = kr_smem  # a placeholder, never used
-    else:
-        p_smem = gl.allocate_shared_memory(
-            gl.bfloat16, [64, HEADS], gl.NVMMASharedLayout.get_default_for([64, HEADS], gl.bfloat16)
-        )
+    # P (bf16): [64 heads, 64 tokens] for 64-head tiles, [64 tokens, HEADS] for narrow ones
+    p_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [64, HEADS], gl.NVMMASharedLayout.get_default_for([64, HEADS], gl.bfloat16)
+    )
     mask_smem = gl.allocate_shared_memory(
         gl.float32, [NUM_STAGES, 64], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     )
@@ -1124,7 +1118,6 @@ def _sparse_decode_gluon_kernel(
                         HAS_SINK,
                         HAS_MAX_LOGITS,
                         PROFILE,
-                        P_IN_STAGE,
                     ),
                 ),
                 (
@@ -1325,12 +1318,12 @@ def launch(
         PROFILE=config.profile,
         HEADS=heads,
         PV_REGS=config.pv_regs,
-        NARROW_P_IN_STAGE=config.narrow_p_in_stage,
     )
     options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
-    compiled = launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options)
-    if config.smem_carveout >= 0 or any_smem_carveout_set():  # from the next launch on
-        set_smem_carveout(compiled, config.smem_carveout)
+    carveout = config.smem_carveout
+    # set before the first launch too (a graph captured at the first call keeps it)
+    prepare = _carveout_prepare(carveout) if carveout >= 0 or any_smem_carveout_set() else None
+    launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options, prepare)
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)
     return out, lse

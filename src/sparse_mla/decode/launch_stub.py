@@ -64,6 +64,8 @@ def stub_compiled_launches(record: bool = True) -> Iterator[list]:
             stub = _StubCompiled(k.fn.__name__, log, record)
 
             def first_launch(*args, grid, warmup, _k=k, _stub=stub, **kwargs):
+                if warmup:  # compiled, not launched (launcher.launch's prepare hook)
+                    return _stub
                 names = _k.arg_names[len(args) :]
                 log.append((_stub.function, tuple(grid), _plain(args + tuple(kwargs[n] for n in names))))
                 return _stub

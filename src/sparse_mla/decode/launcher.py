@@ -28,7 +28,7 @@ import contextlib
 import inspect
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -92,7 +92,20 @@ def _hooks_installed() -> bool:
     return False
 
 
-def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, options: dict) -> Any:
+def _compiled(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, options: dict) -> Any:
+    """The compiled kernel of this specialisation, compiled now if it was not (no launch)."""
+    compiled = kernel.warmup(*args, grid=grid, **consts, **options)
+    return compiled.result() if hasattr(compiled, "result") else compiled
+
+
+def launch(
+    kernel: Any,
+    grid: tuple[int, int, int],
+    args: tuple,
+    consts: dict,
+    options: dict,
+    prepare: Callable[[Any, int], None] | None = None,
+) -> Any:
     """``kernel[grid](*args, **consts, **options)``, through the compiled kernel's launcher when
     this specialisation was launched before. Returns the compiled kernel (None under the
     interpreter).
@@ -103,8 +116,13 @@ def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, o
         args: the runtime arguments, positionally (tensors, ints, floats, tuples of them).
         consts: every constexpr parameter after them, by name.
         options: launch options (``num_warps``, ``num_stages``, ``maxnreg``, ...).
+        prepare: called as ``prepare(compiled, device)`` before every launch, the first one
+            included (the kernel is compiled first then), e.g. to set a function attribute
+            (:func:`set_smem_carveout`); not called under the interpreter.
     """
     if not direct_launch_enabled():
+        if prepare is not None and not interpreting():
+            prepare(_compiled(kernel, grid, args, consts, options), torch.cuda.current_device())
         compiled = kernel[grid](*args, **consts, **options)
         _record(None)
         return None if interpreting() else compiled
@@ -116,6 +134,8 @@ def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, o
     key = (kernel, dev, spec, tuple(consts.items()), tuple(options.items()))
     hit = _CACHE.get(key)
     if hit is None or _hooks_installed():
+        if prepare is not None:
+            prepare(hit[0] if hit is not None else _compiled(kernel, grid, args, consts, options), dev)
         compiled = kernel[grid](*args, **consts, **options)
         names = tuple(kernel.arg_names[len(args) :])
         reusable = hit is None and compiled is not None and set(names) == set(consts)
@@ -126,6 +146,8 @@ def launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, o
         _record((compiled, grid, (*args, *(consts[n] for n in names))) if reusable else None)
         return compiled
     compiled, names = hit
+    if prepare is not None:
+        prepare(compiled, dev)
     full = (*args, *(consts[n] for n in names))
     stream = torch._C._cuda_getCurrentRawStream(dev)
     compiled.run(
@@ -154,7 +176,7 @@ def any_smem_carveout_set() -> bool:
     return bool(_CARVEOUT_SET)
 
 
-def set_smem_carveout(compiled: Any, percent: int) -> None:
+def set_smem_carveout(compiled: Any, percent: int, device: int | None = None) -> None:
     """Hint the driver's split of an SM's unified L1 / shared memory for ``compiled``'s launches
     (``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT``: ``percent`` of the most shared memory
     an SM has; the driver takes the smallest supported carveout at or above it that fits the
@@ -164,7 +186,8 @@ def set_smem_carveout(compiled: Any, percent: int) -> None:
     Hopper; while a hint is set that preference is none (``CU_FUNC_CACHE_PREFER_NONE``). The
     hint belongs to the compiled kernel (every later launch of it, from any caller); it is set
     only when it changes. A no-op for None (the interpreter) and for a handle that is
-    not a driver function (the host-time stub).
+    not a driver function (the host-time stub). ``device``: the CUDA device the kernel was
+    loaded on (default: the current one).
 
     Raises:
         ValueError: ``percent`` outside -1..100.
@@ -175,7 +198,9 @@ def set_smem_carveout(compiled: Any, percent: int) -> None:
     fn = getattr(compiled, "function", None)
     if type(fn) is not int:
         return
-    key = (fn, torch.cuda.current_device())
+    key = (fn, torch.cuda.current_device() if device is None else device)
+    if _CARVEOUT_SET.get(key, -1) == percent:  # every launch asks: no lock while it holds
+        return
     with _CARVEOUT_LOCK:
         if _CARVEOUT_SET.get(key, -1) == percent:
             return
