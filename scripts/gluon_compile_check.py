@@ -89,6 +89,7 @@ def compile_kernel(
     max_logits: bool = False,
     pv_regs: int = sdg.HopperConfig().pv_regs,
     producer_warps: int | None = None,
+    profile: int = 0,
 ):
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
@@ -105,7 +106,7 @@ def compile_kernel(
         ALIGN=align,
         PRODUCER_WARPS=default_producer_warps(heads) if producer_warps is None else producer_warps,
         PRODUCER_REGS=producer_regs,
-        PROFILE=sdg.PROFILE_OFF,
+        PROFILE=profile,
         HEADS=heads,
         PV_REGS=pv_regs,
     )
@@ -190,6 +191,7 @@ def main() -> int:
     ap.add_argument("--producer-regs", type=int, default=None, help="default: the HopperConfig value for the head tile")
     ap.add_argument("--maxnreg", type=int, default=None, help="default: the HopperConfig value for the head tile")
     ap.add_argument("--producer-warps", type=int, default=None, help="warps of each producer partition")
+    ap.add_argument("--profile", type=int, default=0, help="HopperConfig.profile (1: producer alone, 2: consumer alone)")
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass")
     ap.add_argument(
         "--max-spill",
@@ -221,6 +223,7 @@ def main() -> int:
         max_logits=a.max_logits,
         pv_regs=a.pv_regs,
         producer_warps=a.producer_warps,
+        profile=a.profile,
     )
     md = k.metadata
     print(
