@@ -90,6 +90,7 @@ def compile_kernel(
     pv_regs: int = sdg.HopperConfig().pv_regs,
     producer_warps: int | None = None,
     profile: int = 0,
+    half_stages: bool = False,
 ):
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
@@ -109,6 +110,7 @@ def compile_kernel(
         PROFILE=profile,
         HEADS=heads,
         PV_REGS=pv_regs,
+        HALF_STAGES=half_stages,
     )
     ptrs = dict(PTRS, kv_ptr="*bf16") if bf16_kv else PTRS
     sig = {}
@@ -191,7 +193,10 @@ def main() -> int:
     ap.add_argument("--producer-regs", type=int, default=None, help="default: the HopperConfig value for the head tile")
     ap.add_argument("--maxnreg", type=int, default=None, help="default: the HopperConfig value for the head tile")
     ap.add_argument("--producer-warps", type=int, default=None, help="warps of each producer partition")
-    ap.add_argument("--profile", type=int, default=0, help="HopperConfig.profile (1: producer alone, 2: consumer alone)")
+    ap.add_argument("--half-stages", action="store_true", help="64-head tiles: three 32-token ring stages")
+    ap.add_argument(
+        "--profile", type=int, default=0, help="HopperConfig.profile (1: producer alone, 2: consumer alone)"
+    )
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass")
     ap.add_argument(
         "--max-spill",
@@ -224,6 +229,7 @@ def main() -> int:
         pv_regs=a.pv_regs,
         producer_warps=a.producer_warps,
         profile=a.profile,
+        half_stages=a.half_stages,
     )
     md = k.metadata
     print(

@@ -39,9 +39,30 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         importlib.import_module(f"sparse_mla.{_mod}")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--hopper-config",
+        default="",
+        help="KEY=V,... HopperConfig fields made the Hopper kernel's default for this run (checking a "
+        "variant on the GPU with the whole suite, e.g. half_stages=1)",
+    )
+
+
+def pytest_configure(config):
+    spec = config.getoption("--hopper-config")
+    if spec:
+        from benchmarks.variants import parse_variant
+        from sparse_mla.decode import hopper
+
+        hopper._DEFAULT_CONFIG = parse_variant(f"cli=hopper:{spec}")[2]
+
+
 def pytest_report_header(config):
     if torch.cuda.is_available():
-        return f"sparse_mla kernels: compiled on {torch.cuda.get_device_name()}"
+        spec = config.getoption("--hopper-config")
+        return f"sparse_mla kernels: compiled on {torch.cuda.get_device_name()}" + (
+            f" (Hopper kernel default: {spec})" if spec else ""
+        )
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "sparse_mla kernels: Triton interpreter on the CPU (TRITON_INTERPRET=1)"
     return (

@@ -134,6 +134,9 @@ def test_smem_carveout_hint_checks():
         with pytest.raises(ValueError, match="percent: expected -1 or an int in 0..100"):
             set_smem_carveout(None, bad)
     assert HopperConfig(smem_carveout=0).smem_carveout == 0
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="HopperConfig.half_stages: expected a bool"):
+            HopperConfig(half_stages=bad)
     set_smem_carveout(None, 0)  # the interpreter's launches have no compiled kernel: nothing to set
 
     class Stub:  # the host-time stub's compiled kernel: a name, not a driver handle
@@ -142,10 +145,20 @@ def test_smem_carveout_hint_checks():
     set_smem_carveout(Stub(), 0)
 
 
-@pytest.mark.parametrize("args", [("--heads", "16"), ("--heads", "32"), ("--heads", "16", "--model1", "--extra")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--heads", "16"),
+        ("--heads", "32"),
+        ("--heads", "16", "--model1", "--extra"),
+        ("--heads", "64", "--half-stages"),
+        ("--heads", "64", "--half-stages", "--bf16-kv"),
+    ],
+)
 def test_narrow_tiles_leave_l1_under_the_196_kb_carveout(args, tmp_path):
-    # HopperConfig.smem_carveout = 0 (the default) gives the narrow tiles the smallest carveout that
-    # fits (the driver adds 1 KB per CTA): at most 196 KiB of shared memory leaves 60 KB of L1 for the
-    # producers' gathers (session 15: 16-head V3.2 b=128 193.8 -> 152.1 us against 28 KB)
+    # HopperConfig.smem_carveout = 0 (the default) gives the narrow tiles (and the 64-head tiles
+    # with half_stages) the smallest carveout that fits (the driver adds 1 KB per CTA): at most
+    # 196 KiB of shared memory leaves 60 KB of L1 for the producers' gathers (session 15: 16-head
+    # V3.2 b=128 193.8 -> 152.1 us against 28 KB; the 64-head producer alone 184 -> 152 us)
     report = run_check(*args, tmp_path=tmp_path)
     assert int(re.search(r"shared=(\d+) B", report).group(1)) + 1024 <= 196 * 1024
