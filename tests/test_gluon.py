@@ -6,6 +6,8 @@ with ``get_mla_metadata(num_sms=...)``. Timings: ``benchmarks/bench_decode.py --
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import check_decode_close
@@ -220,8 +222,9 @@ def test_smem_carveout_hint_keeps_results(h_q, monkeypatch):
     from sparse_mla.decode import hopper, launcher
 
     q, kc, idx, kw = make_case(3, 2, h_q, seed=40 + h_q, sink=True)
+    no_hint = dataclasses.replace(hopper._DEFAULT_CONFIG, smem_carveout=-1)  # (a --hopper-config default too)
     with monkeypatch.context() as m:
-        m.setattr(hopper, "_DEFAULT_CONFIG", hopper.HopperConfig(smem_carveout=-1))
+        m.setattr(hopper, "_DEFAULT_CONFIG", no_hint)
         base = run_gluon(q, kc, idx, None, **kw)[:2]
     before = dict(launcher._CARVEOUT_SET)  # other kernels of the process may hold hints already
     out, lse = check(q, kc, idx, None, **kw)  # the default: one call sets the hint
@@ -235,6 +238,6 @@ def test_smem_carveout_hint_keeps_results(h_q, monkeypatch):
     out, lse = check(q, kc, idx, None, **kw)
     assert torch.equal(out, base[0]) and torch.equal(lse, base[1])
     with monkeypatch.context() as m:
-        m.setattr(hopper, "_DEFAULT_CONFIG", hopper.HopperConfig(smem_carveout=-1))
+        m.setattr(hopper, "_DEFAULT_CONFIG", no_hint)
         out, lse = run_gluon(q, kc, idx, None, **kw)[:2]
     assert torch.equal(out, base[0]) and all(launcher._CARVEOUT_SET[k] == -1 for k in hinted)

@@ -134,8 +134,8 @@ def test_smem_carveout_hint_checks():
         with pytest.raises(ValueError, match="percent: expected -1 or an int in 0..100"):
             set_smem_carveout(None, bad)
     assert HopperConfig(smem_carveout=0).smem_carveout == 0
-    for bad in (1, "yes", None):
-        with pytest.raises(ValueError, match="HopperConfig.half_stages: expected a bool"):
+    for bad in (1, "yes", 0.0):
+        with pytest.raises(ValueError, match="HopperConfig.half_stages: expected a bool or None"):
             HopperConfig(half_stages=bad)
     set_smem_carveout(None, 0)  # the interpreter's launches have no compiled kernel: nothing to set
 

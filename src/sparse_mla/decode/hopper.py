@@ -153,7 +153,11 @@ class HopperConfig:
             narrow producer's gathers stall on L1 allocation with 28 KB.
         half_stages: 64-head tiles: a ring of three 32-token stages (each 64-token block in two
             consumer steps, Sᵀ with N = 32) instead of two 64-token ones, so that the kernel fits the
-            196 KB carveout (60 KB of L1; the 64-head producer alone measured 184 → 152 µs with it).
+            196 KB carveout (60 KB of L1). None (default): on for the MODEL1 cache's FP8 decode
+            (measured on the H200, eager, b=128 h_q 64 topk 128 + 512 extra: 94.9 → 44.4 µs: its
+            per-token scale bytes stay in L1), off for V3.2 (the consumers' two steps a block cost
+            more than the producer gains: 237.0 → 247.1 µs at b=64/h_q 128) and bf16 rows (the
+            prefill: 5199 → 6190 µs at h_q 128).
     """
 
     producer_warps: int = 4
@@ -166,11 +170,11 @@ class HopperConfig:
     narrow16_producer_regs: int = 128
     narrow16_maxnreg: int = 168
     smem_carveout: int = 0
-    half_stages: bool = False
+    half_stages: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.half_stages, bool):
-            raise ValueError(f"HopperConfig.half_stages: expected a bool, got {self.half_stages!r}")
+        if self.half_stages is not None and not isinstance(self.half_stages, bool):
+            raise ValueError(f"HopperConfig.half_stages: expected a bool or None, got {self.half_stages!r}")
         c = self.smem_carveout
         if isinstance(c, bool) or not isinstance(c, int) or not -1 <= c <= 100:
             raise ValueError(f"HopperConfig.smem_carveout: expected -1 or a percent in 0..100, got {c!r}")
@@ -1399,7 +1403,7 @@ def launch(
         PROFILE=config.profile,
         HEADS=heads,
         PV_REGS=config.pv_regs,
-        HALF_STAGES=config.half_stages,
+        HALF_STAGES=config.half_stages if config.half_stages is not None else not is_v32 and not kv_bf16,
     )
     options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
     carveout = config.smem_carveout
