@@ -79,10 +79,18 @@ def check_variant(backend: str, config: Any) -> str:
     return "PASS " + worst
 
 
+def problems_of(inp: harness.DecodeInputs) -> list:
+    """The validated problems of every index set of ``inp``, with everything the shape's call takes
+    (the extra cache, its indices and lengths, topk_length: the row's whole work)."""
+    return [
+        validate_sparse_decode(q=inp.q, k_cache=inp.k_cache, **inp.call_kwargs(i)) for i in range(len(inp.index_sets))
+    ]
+
+
 def time_variant(s: harness.DecodeShape, backend: str, config: Any, quick: bool) -> float:
     inp = harness.decode_inputs(s)
     n = len(inp.index_sets)
-    problems = [validate_sparse_decode(q=inp.q, k_cache=inp.k_cache, indices=ix) for ix in inp.index_sets]
+    problems = problems_of(inp)
     plan = plan_decode(problems[0], backend=backend)
     launch = get_backend(backend).launch
     state = {"i": 0}

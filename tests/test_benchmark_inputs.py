@@ -1,0 +1,23 @@
+"""The benchmarks time what their rows say: ``benchmarks.variants`` validates each index set with
+everything the row's call takes (session 15 found it dropping the extra cache and the lengths, so
+its MODEL1 rows timed the main cache alone). CPU, small shapes."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import harness
+from benchmarks.variants import problems_of
+
+
+def test_variant_problems_carry_the_extra_cache_and_the_lengths():
+    s = harness.DecodeShape(
+        2, 16, 2, 64, 512, ctx=512, pbs=64, extra_topk=32, extra_pbs=16, extra_len=True, topk_len=True
+    )
+    inp = harness.decode_inputs(s, device="cpu")
+    problems = problems_of(inp)
+    assert len(problems) == len(inp.index_sets) >= 2
+    for i, p in enumerate(problems):
+        assert p.extra_k_cache is not None and p.extra_indices is not None
+        assert torch.equal(p.indices, inp.index_sets[i]) and torch.equal(p.extra_indices, inp.extra_sets[i])
+        assert torch.equal(p.topk_length, inp.topk_length) and torch.equal(p.extra_topk_length, inp.extra_topk_length)
