@@ -41,6 +41,20 @@ DEFAULT = [
 ]
 
 
+def _field_value(ftype: Any, v: str, text: str) -> Any:
+    """A config field's value from its text: bools (``1/0/true/false``; ``none`` where the field
+    takes None, e.g. ``HopperConfig.half_stages``) or ints."""
+    name = ftype if isinstance(ftype, str) else getattr(ftype, "__name__", str(ftype))
+    low = v.lower()
+    if "None" in name and low == "none":
+        return None
+    if "bool" in name:
+        if low not in ("1", "0", "true", "false"):
+            raise SystemExit(f"--variant {text!r}: {v!r} is not a bool (1/0/true/false)")
+        return low in ("1", "true")
+    return int(v)
+
+
 def parse_variant(text: str) -> tuple[str, str, Any, bool]:
     """``NAME=BACKEND:KEY=V,KEY=V[:check]`` -> (name, backend, config, check)."""
     check = text.endswith(":check")
@@ -55,7 +69,7 @@ def parse_variant(text: str) -> tuple[str, str, Any, bool]:
         k, _, v = kv.partition("=")
         if k not in fields:
             raise SystemExit(f"--variant {text!r}: {CONFIGS[backend].__name__} has no field {k!r} ({sorted(fields)})")
-        kw[k] = v.lower() in ("1", "true") if fields[k] in (bool, "bool") else int(v)
+        kw[k] = _field_value(fields[k], v, text)
     return name, backend, CONFIGS[backend](**kw), check
 
 

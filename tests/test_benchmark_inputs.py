@@ -21,3 +21,18 @@ def test_variant_problems_carry_the_extra_cache_and_the_lengths():
         assert p.extra_k_cache is not None and p.extra_indices is not None
         assert torch.equal(p.indices, inp.index_sets[i]) and torch.equal(p.extra_indices, inp.extra_sets[i])
         assert torch.equal(p.topk_length, inp.topk_length) and torch.equal(p.extra_topk_length, inp.extra_topk_length)
+
+
+def test_variant_fields_parse_bools_none_and_ints():
+    import pytest
+
+    from benchmarks.variants import parse_variant
+
+    for text, want in (("1", True), ("true", True), ("0", False), ("False", False), ("none", None)):
+        assert parse_variant(f"v=hopper:half_stages={text}")[2].half_stages is want
+    cfg = parse_variant("v=hopper:smem_carveout=-1,pv_regs=152:check")
+    assert (cfg[2].smem_carveout, cfg[2].pv_regs, cfg[3]) == (-1, 152, True)
+    with pytest.raises(SystemExit, match="is not a bool"):
+        parse_variant("v=hopper:half_stages=2")
+    with pytest.raises(SystemExit, match="has no field"):
+        parse_variant("v=hopper:no_such_field=1")

@@ -155,9 +155,9 @@ class HopperConfig:
             consumer steps, Sᵀ with N = 32) instead of two 64-token ones, so that the kernel fits the
             196 KB carveout (60 KB of L1). None (default): on for the MODEL1 cache's FP8 decode
             (measured on the H200, eager, b=128 h_q 64 topk 128 without an extra cache: 94.9 → 44.4
-            µs), off for V3.2 (the consumers' two steps a block cost
-            more than the producer gains: 237.0 → 247.1 µs at b=64/h_q 128) and bf16 rows (the
-            prefill: 5199 → 6190 µs at h_q 128).
+            µs), off for V3.2 (the consumers' two steps a block cost more than the producer gains:
+            237.0 → 247.1 µs at b=64/h_q 128) and for the sparse prefill (bf16 rows 5199 → 6190 µs
+            at h_q 128; the MODEL1 FP8 cache 3333 → 3614).
     """
 
     producer_warps: int = 4
@@ -885,6 +885,7 @@ def _consumer_narrow(
     lacc_ptr, stride_lr, stride_lsq = lse_acc
     ml_ptr, stride_mlb, stride_mlh = max_logits
     k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
+    NS: gl.constexpr = k_smem.shape[0]  # ring stages (of 64 tokens: the tokens are the wgmmas' M)
     HEADS: gl.constexpr = q_smem.shape[0]
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 16])
     SROW: gl.constexpr = gl.SliceLayout(1, S_L)  # tokens
@@ -923,8 +924,8 @@ def _consumer_narrow(
         l_i = gl.zeros([HEADS], gl.float32, SCOL)
         acc = gl.zeros([D_NOPE, HEADS], gl.float32, S_L)
         for _blk in range(blk0, blk1):
-            stage = it % 2
-            phase = (it // 2) & 1
+            stage = it % NS
+            phase = (it // NS) & 1
             mbarrier.wait(ready_bars.index(stage), phase)
             if KV_BF16:
                 # the stage was written by cp.async (generic proxy) and is read by wgmma (async
@@ -1071,8 +1072,8 @@ def _sparse_decode_gluon_kernel(
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, D_NOPE], SW)
     qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, D_ROPE], SW)
     # the ring: NUM_STAGES stages of a 64-token block, or (HALF_STAGES, 64-head tiles) three of 32
-    # tokens (a block in two steps): 194 KB of shared memory instead of 225 at V3.2, so that the
-    # 196 KB carveout leaves 60 KB of L1 to the producer's gathers
+    # tokens (a block in two steps): 189 KB of shared memory instead of 225 at V3.2 (169 KB at
+    # MODEL1), so that the 196 KB carveout leaves 60 KB of L1 to the producer's gathers
     SUB: gl.constexpr = 32 if HALF_STAGES and HEADS == 64 else 64
     NS: gl.constexpr = 3 if SUB == 32 else NUM_STAGES
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, SUB, D_NOPE], SW)
@@ -1387,6 +1388,12 @@ def launch(
         p.sm_scale * LOG2E,
         h_q,
     )
+    # half_stages=None: on for the MODEL1 cache's FP8 decode only (not for the sparse prefill, the
+    # call with max_logits: measured slower there); narrow tiles have no half stages
+    half_stages = config.half_stages
+    if half_stages is None:
+        half_stages = not is_v32 and not kv_bf16 and max_logits is None
+    half_stages = half_stages and heads == 64
     consts = dict(
         ALIGN=align,
         KV_BF16=kv_bf16,
@@ -1403,7 +1410,7 @@ def launch(
         PROFILE=config.profile,
         HEADS=heads,
         PV_REGS=config.pv_regs,
-        HALF_STAGES=config.half_stages if config.half_stages is not None else not is_v32 and not kv_bf16,
+        HALF_STAGES=half_stages,
     )
     options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
     carveout = config.smem_carveout
