@@ -243,3 +243,29 @@ def test_smem_carveout_hint_keeps_results(h_q, monkeypatch):
         m.setattr(hopper, "_DEFAULT_CONFIG", no_hint)
         out, lse = run_gluon(q, kc, idx, None, **kw)[:2]
     assert torch.equal(out, base[0]) and all(launcher._CARVEOUT_SET[k] == -1 for k in hinted)
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+@pytest.mark.parametrize("layout", ["V32", "MODEL1"])
+@pytest.mark.parametrize("num_sms", [None, 4])
+@pytest.mark.parametrize("h_q", [64, 128, 100])
+def test_half_stages(pairs, layout, num_sms, h_q, monkeypatch):
+    # HopperConfig.half_stages (64-head tiles in three 32-token ring stages; the MODEL1 decode's
+    # default) and half_stage_pairs (a block's two stages in one consumer step), with every feature:
+    # topk_length (0 and 1 included), an extra cache with its lengths, attn_sink, NaN past the lengths
+    from sparse_mla.decode import hopper
+
+    cfg = dataclasses.replace(hopper._DEFAULT_CONFIG, half_stages=True, half_stage_pairs=pairs)
+    monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", cfg)
+    q, kc, idx, kw = make_case(
+        4, 2, h_q, topk=448, seed=80 + h_q, layout=layout, sink=True, topk_length=[448, 1, 300, 0],
+        nan_unused=layout == "V32",
+    )  # fmt: skip
+    out, lse = check(q, kc, idx, num_sms, **kw)
+    assert torch.isfinite(out.float()).all() and torch.isposinf(lse[3]).all()
+    q, kc, idx, kw = make_case(
+        3, 1, h_q, topk=192, pbs=256 if layout == "MODEL1" else 64, seed=90 + h_q, layout=layout,
+        topk_length=[192, 0, 64],
+    )  # fmt: skip
+    add_extra_cache(kw, 3, 1, 200, 61, layout, seed=h_q, lengths=[200, 0, 77])
+    check(q, kc, idx, num_sms, **kw)

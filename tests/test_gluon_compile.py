@@ -137,6 +137,9 @@ def test_smem_carveout_hint_checks():
     for bad in (1, "yes", 0.0):
         with pytest.raises(ValueError, match="HopperConfig.half_stages: expected a bool or None"):
             HopperConfig(half_stages=bad)
+    for bad in (1, None, "yes"):
+        with pytest.raises(ValueError, match="HopperConfig.half_stage_pairs: expected a bool"):
+            HopperConfig(half_stage_pairs=bad)
     set_smem_carveout(None, 0)  # the interpreter's launches have no compiled kernel: nothing to set
 
     class Stub:  # the host-time stub's compiled kernel: a name, not a driver handle
@@ -153,6 +156,8 @@ def test_smem_carveout_hint_checks():
         ("--heads", "16", "--model1", "--extra"),
         ("--heads", "64", "--half-stages"),
         ("--heads", "64", "--half-stages", "--bf16-kv"),
+        ("--heads", "64", "--half-stages", "--half-pairs"),
+        ("--heads", "64", "--half-stages", "--half-pairs", "--model1", "--extra"),
     ],
 )
 def test_narrow_tiles_leave_l1_under_the_196_kb_carveout(args, tmp_path):
