@@ -1507,7 +1507,7 @@ def launch(
         HEADS=heads,
         PV_REGS=config.pv_regs,
         HALF_STAGES=half_stages,
-        HALF_PAIRS=config.half_stage_pairs,
+        HALF_PAIRS=half_stages and config.half_stage_pairs,
     )
     options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
     carveout = config.smem_carveout
