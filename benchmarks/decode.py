@@ -36,6 +36,7 @@ import sparse_mla as flash_mla
 
 from . import harness
 from .harness import DecodeShape
+from .variants import set_hopper_default
 
 
 def bench_shape(s: DecodeShape, backend: str, peak_tflops: float, peak_gbs: float, quick: bool) -> dict:
@@ -161,7 +162,14 @@ def main(argv=None) -> int:
         help="write the results here (default: benchmarks/results/<date>_<gpu>_decode.json, "
         "_decode_small_heads.json for --set small_heads)",
     )
+    ap.add_argument(
+        "--hopper-config",
+        default="",
+        help="KEY=V,... HopperConfig fields made the Hopper kernel's default (e.g. half_stages=0); "
+        "default: the library's",
+    )
     args = ap.parse_args(argv)
+    set_hopper_default(args.hopper_config)
     shapes = harness.select(harness.SHAPE_SETS[args.set], args.only)
     if args.list:
         list_shapes(shapes)

@@ -26,6 +26,7 @@ import sparse_mla as flash_mla
 from sparse_mla import get_layout
 
 from . import harness
+from .variants import set_hopper_default
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,7 @@ def main(argv=None) -> int:
         help="KEY=V,... HopperConfig fields for the Hopper route (e.g. profile=2: the consumers alone); default: the library's",
     )
     args = ap.parse_args(argv)
-    if args.hopper_config:
-        from sparse_mla.decode import hopper
-
-        from .variants import parse_variant
-
-        hopper._DEFAULT_CONFIG = parse_variant(f"cli=hopper:{args.hopper_config}")[2]
+    set_hopper_default(args.hopper_config)
     if not harness.has_cuda("benchmarks.prefill"):
         return 2
     peak_tflops, _ = harness.ceilings()

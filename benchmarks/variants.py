@@ -73,6 +73,15 @@ def parse_variant(text: str) -> tuple[str, str, Any, bool]:
     return name, backend, CONFIGS[backend](**kw), check
 
 
+def set_hopper_default(spec: str) -> None:
+    """Make ``HopperConfig(KEY=V,...)`` (``spec``, as in ``--variant``) the Hopper kernel's default
+    for this process (``--hopper-config`` of the benchmarks and of the test suite); "" leaves it."""
+    if spec:
+        from sparse_mla.decode import hopper
+
+        hopper._DEFAULT_CONFIG = parse_variant(f"cli=hopper:{spec}")[2]
+
+
 def check_variant(backend: str, config: Any) -> str:
     """Compare the variant with the fp32 reference on small V32 shapes, split and unsplit."""
     g = torch.Generator(device="cuda").manual_seed(7)

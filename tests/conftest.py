@@ -51,10 +51,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     spec = config.getoption("--hopper-config")
     if spec:
-        from benchmarks.variants import parse_variant
-        from sparse_mla.decode import hopper
+        from benchmarks.variants import set_hopper_default
 
-        hopper._DEFAULT_CONFIG = parse_variant(f"cli=hopper:{spec}")[2]
+        set_hopper_default(spec)
 
 
 def pytest_report_header(config):

@@ -36,3 +36,16 @@ def test_variant_fields_parse_bools_none_and_ints():
         parse_variant("v=hopper:half_stages=2")
     with pytest.raises(SystemExit, match="has no field"):
         parse_variant("v=hopper:no_such_field=1")
+
+
+def test_set_hopper_default(monkeypatch):
+    from benchmarks.variants import set_hopper_default
+    from sparse_mla.decode import hopper
+
+    monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", hopper._DEFAULT_CONFIG)  # restored after the test
+    before = hopper._DEFAULT_CONFIG
+    set_hopper_default("")
+    assert hopper._DEFAULT_CONFIG is before
+    set_hopper_default("half_stages=0,half_stage_pairs=1,smem_carveout=-1")
+    cfg = hopper._DEFAULT_CONFIG
+    assert (cfg.half_stages, cfg.half_stage_pairs, cfg.smem_carveout) == (False, True, -1)
