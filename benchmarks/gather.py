@@ -23,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_mla.decode.launcher import set_smem_carveout
+from sparse_mla.decode.launcher import carveout_hint, launch
 from sparse_mla.formats import cache_bytes
-from sparse_mla.runtime import interpreting
 
 from . import harness
 
@@ -60,8 +59,8 @@ def gather_max(
     their records in ``k_cache`` (a paged FP8 cache ``[num_blocks, page_block_size, 1, bytes]``,
     records a multiple of 16 bytes at 16-byte aligned addresses). Returns int32 ``[ceil(n / 64)]``;
     a group with no valid index gives ``-2**31``. ``carveout``: the shared-memory carveout hint
-    (percent, -1: the driver's default; :func:`sparse_mla.decode.launcher.set_smem_carveout`) for
-    the next launches.
+    (percent, -1: the driver's default; :func:`sparse_mla.decode.launcher.set_smem_carveout`), set
+    before the launch.
 
     Raises:
         ValueError: ``k_cache`` not ``[num_blocks, page_block_size, 1, bytes]`` with unit byte stride
@@ -87,12 +86,11 @@ def gather_max(
             f"out: expected a contiguous int32 [{grid[0]}] on {idx.device}, got {out.dtype} {list(out.shape)}"
         )
     words = rec // 4
-    compiled = _gather_max_kernel[grid](
-        raw, raw.stride(0), raw.stride(1), raw.shape[0] * raw.shape[1], idx, n, out,
-        PBS=raw.shape[1], WORDS=words, BLOCK_T=BLOCK_T, BLOCK_W=triton.next_power_of_2(words), num_warps=4,
+    launch(
+        _gather_max_kernel, (grid[0], 1, 1), (raw, raw.stride(0), raw.stride(1), raw.shape[0] * raw.shape[1], idx, n, out),
+        dict(PBS=raw.shape[1], WORDS=words, BLOCK_T=BLOCK_T, BLOCK_W=triton.next_power_of_2(words)),
+        {"num_warps": 4}, carveout_hint(carveout),
     )  # fmt: skip
-    if not interpreting():
-        set_smem_carveout(compiled, carveout)
     return out
 
 

@@ -71,7 +71,6 @@ partition's scheduler row with :func:`_partition_row`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +88,7 @@ from ..problem import DecodeProblem, output_tensors
 from ..runtime import LOG2E
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, hopper_head_tile
 from .combine import combine_fwd
-from .launcher import any_smem_carveout_set, set_smem_carveout
+from .launcher import carveout_hint
 from .launcher import launch as launch_kernel
 from .workspace import split_accumulators
 
@@ -1068,16 +1067,6 @@ def _consumer_narrow(
         req += 1
 
 
-@functools.cache
-def _carveout_prepare(percent: int):
-    """The ``prepare`` hook of :func:`.launcher.launch` that sets ``percent`` (one per value)."""
-
-    def prepare(compiled, dev: int) -> None:
-        set_smem_carveout(compiled, percent, dev)
-
-    return prepare
-
-
 # --------------------------------------------------------------------------------------------- kernel
 @gluon.jit
 def _sparse_decode_gluon_kernel(
@@ -1510,10 +1499,8 @@ def launch(
         HALF_PAIRS=half_stages and config.half_stage_pairs,
     )
     options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
-    carveout = config.smem_carveout
-    # set before the first launch too (a graph captured at the first call keeps it)
-    prepare = _carveout_prepare(carveout) if carveout >= 0 or any_smem_carveout_set() else None
-    launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options, prepare)
+    # the carveout hint, set before the first launch too (a graph captured at the first call keeps it)
+    launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options, carveout_hint(config.smem_carveout))
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)
     return out, lse

@@ -25,6 +25,7 @@ geometry).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import threading
@@ -44,7 +45,7 @@ __all__ = [
     "make_replay",
     "Replay",
     "set_smem_carveout",
-    "any_smem_carveout_set",
+    "carveout_hint",
 ]
 
 _ENV = "SPARSE_MLA_DIRECT_LAUNCH"
@@ -105,10 +106,9 @@ def launch(
     consts: dict,
     options: dict,
     prepare: Callable[[Any, int], None] | None = None,
-) -> Any:
+) -> None:
     """``kernel[grid](*args, **consts, **options)``, through the compiled kernel's launcher when
-    this specialisation was launched before. Returns the compiled kernel (None under the
-    interpreter).
+    this specialisation was launched before.
 
     Args:
         kernel: a ``triton.jit`` / ``gluon.jit`` function.
@@ -123,9 +123,9 @@ def launch(
     if not direct_launch_enabled():
         if prepare is not None and not interpreting():
             prepare(_compiled(kernel, grid, args, consts, options), torch.cuda.current_device())
-        compiled = kernel[grid](*args, **consts, **options)
+        kernel[grid](*args, **consts, **options)
         _record(None)
-        return None if interpreting() else compiled
+        return
     dev = torch.cuda.current_device()
     # inline for the common argument types (a function call per argument costs more than the rest)
     spec = tuple(
@@ -144,7 +144,7 @@ def launch(
                 _CACHE.clear()
             _CACHE[key] = (compiled, names)
         _record((compiled, grid, (*args, *(consts[n] for n in names))) if reusable else None)
-        return compiled
+        return
     compiled, names = hit
     if prepare is not None:
         prepare(compiled, dev)
@@ -163,17 +163,21 @@ def launch(
         *full,
     )
     _record((compiled, grid, full))
-    return compiled
 
 
 _CARVEOUT_SET: dict[tuple[int, int], int] = {}  # (CUfunction handle, device) -> percent set
 _CARVEOUT_LOCK = threading.Lock()
 
 
-def any_smem_carveout_set() -> bool:
-    """Whether :func:`set_smem_carveout` has set a hint on some kernel in this process (a launch
-    with the default -1 then has to check that its kernel's hint is back to the default)."""
-    return bool(_CARVEOUT_SET)
+@functools.cache
+def carveout_hint(percent: int) -> Callable[[Any, int], None]:
+    """The ``prepare`` hook of :func:`launch` that gives a kernel the carveout hint ``percent``
+    (:func:`set_smem_carveout`; -1 takes an earlier hint back), one per value."""
+
+    def prepare(compiled: Any, dev: int) -> None:
+        set_smem_carveout(compiled, percent, dev)
+
+    return prepare
 
 
 def set_smem_carveout(compiled: Any, percent: int, device: int | None = None) -> None:
