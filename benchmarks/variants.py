@@ -4,7 +4,7 @@ including the Hopper kernel's profiling modes (producer alone, consumer alone, g
 cache-resident token). A variant marked ``check`` is first compared with the fp32 reference on
 small shapes (split and unsplit schedules) and reported FAIL if it misses FlashMLA's tolerances.
 
-    python -m benchmarks.variants [--set small_heads] [--only b=64,h_q=128] [--variant NAME=BACKEND:KEY=V,KEY=V[:check]] ... [--full]
+    python -m benchmarks.variants [--set small_heads] [--only b=64,h_q=128] [--variant NAME=BACKEND:KEY=V,KEY=V[:check]] ... [--graph] [--full]
 
 Without ``--variant`` a built-in list runs (the Hopper kernel's profiling modes, and the portable
 kernel at two block sizes); e.g. ``--variant regs120=hopper:producer_regs=120:check``.
@@ -110,7 +110,9 @@ def problems_of(inp: harness.DecodeInputs) -> list:
     ]
 
 
-def time_variant(s: harness.DecodeShape, backend: str, config: Any, quick: bool) -> float:
+def time_variant(s: harness.DecodeShape, backend: str, config: Any, quick: bool, graph: bool = False) -> dict:
+    """µs of the variant's decode kernel (no combine): eager calls in rotation over the shape's
+    index sets, and with ``graph`` one CUDA graph per index set replayed in rotation too."""
     inp = harness.decode_inputs(s)
     n = len(inp.index_sets)
     problems = problems_of(inp)
@@ -124,7 +126,10 @@ def time_variant(s: harness.DecodeShape, backend: str, config: Any, quick: bool)
 
     call()
     torch.cuda.synchronize()
-    return harness.median_us(call, quick)
+    res = {"us": harness.median_us(call, quick)}
+    if graph:
+        res["us_graph"] = harness.graph_replay_us(lambda i: lambda: launch(problems[i], plan.table, config), n, quick)
+    return res
 
 
 def main(argv=None) -> int:
@@ -138,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--set", default="default", choices=sorted(harness.SHAPE_SETS), help="row set to filter")
     ap.add_argument("--variant", action="append", default=[], help="NAME=BACKEND:KEY=V,KEY=V[:check]")
     ap.add_argument("--full", action="store_true", help="full repetitions (default quick)")
+    ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replay (one graph per index set)")
     ap.add_argument("--json", help="write the results here (default: benchmarks/results/<date>_<gpu>_variants.json)")
     a = ap.parse_args(argv)
     if not harness.has_cuda("benchmarks.variants"):
@@ -155,12 +161,17 @@ def main(argv=None) -> int:
             res["check"] = check_variant(backend, config)
         for s in shapes:
             try:
-                res["rows"].append(dict(harness.as_dict(s), us=time_variant(s, backend, config, not a.full)))
+                res["rows"].append(dict(harness.as_dict(s), **time_variant(s, backend, config, not a.full, a.graph)))
                 torch.cuda.empty_cache()
             except ValueError as e:  # the backend cannot serve this shape
                 res.setdefault("skipped", []).append(f"{s}: {e}")
         out.append(res)
-        us = ", ".join(f"b={r['b']} h_q={r['h_q']} d_qk={r['d_qk']}: {r['us']:.1f} us" for r in res["rows"])
+        us = ", ".join(
+            f"b={r['b']} h_q={r['h_q']} d_qk={r['d_qk']}: {r['us']:.1f}"
+            + (f" / graph {r['us_graph']:.1f}" if "us_graph" in r else "")
+            + " us"
+            for r in res["rows"]
+        )
         print(f"{name:24s} {res.get('check', ''):40s} {us}", flush=True)
     print(f"results: {harness.write_results('variants', dict(quick=not a.full, variants=out), a.json)}")
     return 0

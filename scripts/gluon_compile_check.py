@@ -91,7 +91,6 @@ def compile_kernel(
     producer_warps: int | None = None,
     profile: int = 0,
     half_stages: bool = False,
-    half_pairs: bool = False,
 ):
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
@@ -112,7 +111,6 @@ def compile_kernel(
         HEADS=heads,
         PV_REGS=pv_regs,
         HALF_STAGES=half_stages,
-        HALF_PAIRS=half_pairs,
     )
     ptrs = dict(PTRS, kv_ptr="*bf16") if bf16_kv else PTRS
     sig = {}
@@ -196,7 +194,6 @@ def main() -> int:
     ap.add_argument("--maxnreg", type=int, default=None, help="default: the HopperConfig value for the head tile")
     ap.add_argument("--producer-warps", type=int, default=None, help="warps of each producer partition")
     ap.add_argument("--half-stages", action="store_true", help="64-head tiles: three 32-token ring stages")
-    ap.add_argument("--half-pairs", action="store_true", help="--half-stages: a block's two stages in one step")
     ap.add_argument(
         "--profile", type=int, default=0, help="HopperConfig.profile (1: producer alone, 2: consumer alone)"
     )
@@ -233,7 +230,6 @@ def main() -> int:
         producer_warps=a.producer_warps,
         profile=a.profile,
         half_stages=a.half_stages,
-        half_pairs=a.half_pairs,
     )
     md = k.metadata
     print(

@@ -46,6 +46,6 @@ def test_set_hopper_default(monkeypatch):
     before = hopper._DEFAULT_CONFIG
     set_hopper_default("")
     assert hopper._DEFAULT_CONFIG is before
-    set_hopper_default("half_stages=0,half_stage_pairs=1,smem_carveout=-1")
+    set_hopper_default("half_stages=0,pv_regs=152,smem_carveout=-1")
     cfg = hopper._DEFAULT_CONFIG
-    assert (cfg.half_stages, cfg.half_stage_pairs, cfg.smem_carveout) == (False, True, -1)
+    assert (cfg.half_stages, cfg.pv_regs, cfg.smem_carveout) == (False, 152, -1)

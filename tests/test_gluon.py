@@ -245,17 +245,16 @@ def test_smem_carveout_hint_keeps_results(h_q, monkeypatch):
     assert torch.equal(out, base[0]) and all(launcher._CARVEOUT_SET[k] == -1 for k in hinted)
 
 
-@pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("layout", ["V32", "MODEL1"])
 @pytest.mark.parametrize("num_sms", [None, 4])
 @pytest.mark.parametrize("h_q", [64, 128, 100])
-def test_half_stages(pairs, layout, num_sms, h_q, monkeypatch):
+def test_half_stages(layout, num_sms, h_q, monkeypatch):
     # HopperConfig.half_stages (64-head tiles in three 32-token ring stages; the MODEL1 decode's
-    # default) and half_stage_pairs (a block's two stages in one consumer step), with every feature:
-    # topk_length (0 and 1 included), an extra cache with its lengths, attn_sink, NaN past the lengths
+    # default) with every feature: topk_length (0 and 1 included), an extra cache with its
+    # lengths, attn_sink, NaN past the lengths
     from sparse_mla.decode import hopper
 
-    cfg = dataclasses.replace(hopper._DEFAULT_CONFIG, half_stages=True, half_stage_pairs=pairs)
+    cfg = dataclasses.replace(hopper._DEFAULT_CONFIG, half_stages=True)
     monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", cfg)
     q, kc, idx, kw = make_case(
         4, 2, h_q, topk=448, seed=80 + h_q, layout=layout, sink=True, topk_length=[448, 1, 300, 0],

@@ -153,14 +153,13 @@ class HopperConfig:
         half_stages: 64-head tiles: a ring of three 32-token stages (each 64-token block in two
             consumer steps, Sᵀ with N = 32) instead of two 64-token ones, so that the kernel fits the
             196 KB carveout (60 KB of L1). None (default): on for the MODEL1 cache's FP8 decode
-            (measured on the H200, eager, b=128 h_q 64 topk 128 without an extra cache: 94.9 → 44.4
-            µs), off for V3.2 (the consumers' two steps a block cost more than the producer gains:
-            237.0 → 247.1 µs at b=64/h_q 128) and for the sparse prefill (bf16 rows 5199 → 6190 µs
-            at h_q 128; the MODEL1 FP8 cache 3333 → 3614).
-        half_stage_pairs: with half stages, the consumers take a block's two 32-token stages in one
-            step (Sᵀ as two N = 32 wgmmas into one softmax, P·V as two K = 32 wgmmas, one hand-off
-            per 64 tokens as with 64-token stages; the ring's three stages then hold 1.5 blocks).
-            Default off: not yet measured (session 15 built it after its device time was spent).
+            (measured on the H200 in graph replay, session 16: every MODEL1 row 2-10 % faster,
+            b=128 h_q 64 topk 128 + 512 extra 105.1 → 94.2 µs), off for V3.2 (the consumers' two
+            steps a block cost more than the producer gains: 235.4 → 245.3 µs at b=64/h_q 128,
+            248.6 → 254.0 at b=128/h_q 64; taking a block's two stages in one consumer step was
+            slower still, 266.7 / 265.7: ``docs/experiments/gluon_half_stage_pairs.patch``) and
+            for the sparse prefill (bf16 rows 5199 → 6190 µs at h_q 128; the MODEL1 FP8 cache
+            3333 → 3614).
     """
 
     producer_warps: int = 4
@@ -174,11 +173,8 @@ class HopperConfig:
     narrow16_maxnreg: int = 168
     smem_carveout: int = 0
     half_stages: bool | None = None
-    half_stage_pairs: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.half_stage_pairs, bool):
-            raise ValueError(f"HopperConfig.half_stage_pairs: expected a bool, got {self.half_stage_pairs!r}")
         if self.half_stages is not None and not isinstance(self.half_stages, bool):
             raise ValueError(f"HopperConfig.half_stages: expected a bool or None, got {self.half_stages!r}")
         c = self.smem_carveout
@@ -663,7 +659,6 @@ def _qk_step(
     q_smem,
     qr_smem,
     p_smem,
-    pb_smem,
     ring,
     hand,
     scale_log2,
@@ -672,20 +667,14 @@ def _qk_step(
     KV_BF16: gl.constexpr,
     IS_V32: gl.constexpr,
     PROFILE: gl.constexpr,
-    PAIR: gl.constexpr,
 ):
-    """One step of warpgroup 0 (:func:`_consumer_qk`) at ring position ``it``, P hand-off ``hs``:
-    one stage, or (``PAIR``: 32-token stages) a block's two stages ``it`` and ``it + 1`` with one
-    softmax and one hand-off for both (P in ``p_smem`` and ``pb_smem``). Returns
-    ``(acc, m_i, l_i)``."""
+    """One step of warpgroup 0 (:func:`_consumer_qk`): ring stage ``it``, P hand-off ``hs``.
+    Returns ``(acc, m_i, l_i)``."""
     k_smem, _kr, _mask, ready_bars, empty_bars = ring
     row_smem, p_full, p_empty = hand
     NS: gl.constexpr = k_smem.shape[0]
     stage = it % NS
     mbarrier.wait(ready_bars.index(stage), (it // NS) & 1)
-    if PAIR:
-        stage_b = (it + 1) % NS
-        mbarrier.wait(ready_bars.index(stage_b), ((it + 1) // NS) & 1)
     if KV_BF16:  # cp.async wrote the stage (generic proxy); wgmma reads it (async proxy)
         fence_async_shared()
     kbuf = k_smem.index(stage)
@@ -695,35 +684,23 @@ def _qk_step(
         mbarrier.arrive(p_full, count=1)
     else:
         s, mx = _scores(q_smem, qr_smem, ring, stage, scale_log2, S_L, KV_BF16, IS_V32)
-        if PAIR:
-            s_b, mx_b = _scores(q_smem, qr_smem, ring, stage_b, scale_log2, S_L, KV_BF16, IS_V32)
-            mx = gl.maximum(mx, mx_b)
         m_new = gl.maximum(m_i, mx)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = _probs(s, m_safe, scale_log2, KV_BF16)
         l_i = l_i * alpha + gl.sum(p, axis=1)
-        if PAIR:
-            p_b = _probs(s_b, m_safe, scale_log2, KV_BF16)
-            l_i += gl.sum(p_b, axis=1)
         m_i = m_new
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
         # warpgroup 1 has finished the previous P (its PV) and row factors
         mbarrier.wait(p_empty, (hs & 1) ^ 1)
         p_smem.store(p.to(gl.bfloat16))
-        if PAIR:
-            pb_smem.store(p_b.to(gl.bfloat16))
         row_smem.store(alpha)
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(p_full, count=1)
         acc = warpgroup_mma(p_smem, kbuf.slice(0, D_NOPE // 2, dim=1), acc)
-        if PAIR:
-            acc = warpgroup_mma(pb_smem, k_smem.index(stage_b).slice(0, D_NOPE // 2, dim=1), acc)
         _cta_barrier()
     mbarrier.arrive(empty_bars.index(stage), count=1)
-    if PAIR:
-        mbarrier.arrive(empty_bars.index(stage_b), count=1)
     return acc, m_i, l_i
 
 
@@ -742,7 +719,6 @@ def _consumer_qk(
     q_smem,
     qr_smem,
     p_smem,
-    pb_smem,
     ring,
     hand,
     KV_BF16: gl.constexpr,
@@ -751,7 +727,6 @@ def _consumer_qk(
     HAS_SINK: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr,
     PROFILE: gl.constexpr,
-    PAIR: gl.constexpr = False,
 ):
     """64-head tiles, consumers split by role, warpgroup 0 (the default partition): the whole
     ``S = Q Kᵀ [64, 64]`` (one warpgroup, N = 64: Q is read from smem once per block), the online
@@ -766,8 +741,8 @@ def _consumer_qk(
     ml_ptr, stride_mlb, stride_mlh = max_logits
     k_smem = ring[0]
     row_smem, p_full, p_empty = hand
-    SUB: gl.constexpr = k_smem.shape[1]  # tokens a stage (64, or 32: two steps a block or one pair)
-    STEPS: gl.constexpr = 1 if PAIR else 64 // SUB
+    SUB: gl.constexpr = k_smem.shape[1]  # tokens a stage (64, or 32: two steps a block)
+    STEPS: gl.constexpr = 64 // SUB
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     SROW: gl.constexpr = gl.SliceLayout(1, S_L)
@@ -810,10 +785,24 @@ def _consumer_qk(
         acc = gl.zeros([64, D_NOPE // 2], gl.float32, O_L)
         for _step in range(blk0 * STEPS, blk1 * STEPS):
             acc, m_i, l_i = _qk_step(
-                it, hs, acc, m_i, l_i, q_smem, qr_smem, p_smem, pb_smem, ring, hand, scale_log2, S_L, O_L, KV_BF16,
-                IS_V32, PROFILE, PAIR,
-            )  # fmt: skip
-            it += 2 if PAIR else 1
+                it,
+                hs,
+                acc,
+                m_i,
+                l_i,
+                q_smem,
+                qr_smem,
+                p_smem,
+                ring,
+                hand,
+                scale_log2,
+                S_L,
+                O_L,
+                KV_BF16,
+                IS_V32,
+                PROFILE,
+            )
+            it += 1
             hs += 1
 
         # epilogue (same formulas as the tl kernel); the row factor goes to warpgroup 1 first
@@ -861,13 +850,11 @@ def _consumer_pv(
     o_acc,
     h_q,
     p_smem,
-    pb_smem,
     ring,
     hand,
     KV_BF16: gl.constexpr,
     HAS_EXTRA: gl.constexpr,
     PROFILE: gl.constexpr,
-    PAIR: gl.constexpr = False,
 ):
     """Warpgroup 1 of the split consumers (a worker partition): ``O[:, 256:] += P V`` with the P and
     row factors warpgroup 0 (:func:`_consumer_qk`) leaves in smem, and ``out[:, 256:]`` (or the
@@ -877,7 +864,7 @@ def _consumer_pv(
     empty_bars = ring[4]
     NS: gl.constexpr = k_smem.shape[0]
     SUB: gl.constexpr = k_smem.shape[1]
-    STEPS: gl.constexpr = 1 if PAIR else 64 // SUB
+    STEPS: gl.constexpr = 64 // SUB
     row_smem, p_full, p_empty = hand
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     OROW: gl.constexpr = gl.SliceLayout(1, O_L)
@@ -909,15 +896,10 @@ def _consumer_pv(
                 alpha = row_smem.load(OROW)
                 acc = acc * gl.expand_dims(alpha, 1)
                 acc = warpgroup_mma(p_smem, k_smem.index(stage).slice(D_NOPE // 2, D_NOPE // 2, dim=1), acc)
-                if PAIR:  # the block's second 32-token stage
-                    kb = k_smem.index((it + 1) % NS)
-                    acc = warpgroup_mma(pb_smem, kb.slice(D_NOPE // 2, D_NOPE // 2, dim=1), acc)
             _cta_barrier()
             mbarrier.arrive(p_empty, count=1)
             mbarrier.arrive(empty_bars.index(stage), count=1)
-            if PAIR:
-                mbarrier.arrive(empty_bars.index((it + 1) % NS), count=1)
-            it += 2 if PAIR else 1
+            it += 1
             hs += 1
         mbarrier.wait(p_full, hs & 1)
         scale_row = row_smem.load(OROW)
@@ -1136,7 +1118,6 @@ def _sparse_decode_gluon_kernel(
     HEADS: gl.constexpr,
     PV_REGS: gl.constexpr,
     HALF_STAGES: gl.constexpr = False,
-    HALF_PAIRS: gl.constexpr = False,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / HEADS))``; flat arguments (``scripts/gluon_compile_check.py``
     builds the signature from their names), grouped into tuples for the partitions."""
@@ -1156,14 +1137,6 @@ def _sparse_decode_gluon_kernel(
     p_smem = gl.allocate_shared_memory(
         gl.bfloat16, [64, P_COLS], gl.NVMMASharedLayout.get_default_for([64, P_COLS], gl.bfloat16)
     )
-    # HALF_PAIRS: the consumers take a block's two 32-token stages in one step, the second P here
-    PAIR: gl.constexpr = HALF_PAIRS and SUB == 32
-    if PAIR:
-        pb_smem = gl.allocate_shared_memory(
-            gl.bfloat16, [64, SUB], gl.NVMMASharedLayout.get_default_for([64, SUB], gl.bfloat16)
-        )
-    else:
-        pb_smem = p_smem  # a placeholder, never used
     mask_smem = gl.allocate_shared_memory(
         gl.float32, [NS, SUB], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     )
@@ -1208,7 +1181,6 @@ def _sparse_decode_gluon_kernel(
                         q_smem,
                         qr_smem,
                         p_smem,
-                        pb_smem,
                         ring,
                         hand,
                         KV_BF16,
@@ -1217,7 +1189,6 @@ def _sparse_decode_gluon_kernel(
                         HAS_SINK,
                         HAS_MAX_LOGITS,
                         PROFILE,
-                        PAIR,
                     ),
                 ),
                 (
@@ -1228,13 +1199,11 @@ def _sparse_decode_gluon_kernel(
                         (oacc_ptr, stride_ar, stride_as, stride_ah),
                         h_q,
                         p_smem,
-                        pb_smem,
                         ring,
                         hand,
                         KV_BF16,
                         HAS_EXTRA,
                         PROFILE,
-                        PAIR,
                     ),
                 ),
                 (
@@ -1496,7 +1465,6 @@ def launch(
         HEADS=heads,
         PV_REGS=config.pv_regs,
         HALF_STAGES=half_stages,
-        HALF_PAIRS=half_stages and config.half_stage_pairs,
     )
     options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
     # the carveout hint, set before the first launch too (a graph captured at the first call keeps it)
