@@ -1,7 +1,7 @@
 """The random-gather ceiling of the decode's cache reads: how fast a kernel that does nothing but
 read the gathered tokens can go, on the same cache and the same index sets as a decode row.
 
-    python -m benchmarks.gather [--quick] [--only b=128,h_q=16] [--json PATH]
+    python -m benchmarks.gather [--quick] [--only b=128,h_q=16] [--tma STAGES] [--json PATH]
 
 The sparse decode reads, per query token, ``topk`` whole cache records (656 bytes for V32, 584 for
 MODEL1) at random slots of its request's pages. Issue 12 asks for >= 75 % of the device-copy
@@ -9,7 +9,9 @@ bandwidth on those bytes; this measures what a gather alone reaches, so a decode
 read against both ceilings (the copy's and the gather's). The kernel (``_gather_max_kernel``) loads
 each indexed record as int32 words (16-byte vectors, 64 records a program, many programs a SM, no
 shared memory, no conversion) and stores one max per program; its twin is
-:func:`gather_max_reference`. Rows: the decode row's own index sets (rotated past L2, as
+:func:`gather_max_reference`. ``--tma`` adds the same gather by the tensor-memory accelerator
+(:func:`gather_max_tma`, Hopper, 656-byte V32 records): no L1, no registers between HBM and shared
+memory, the question being whether it beats the 16-byte loads' ceiling. Rows: the decode row's own index sets (rotated past L2, as
 :func:`benchmarks.harness.decode_inputs` builds them), the same number of records at random slots
 of a 32 MB window (L2-resident), and consecutive slots (a streaming read).
 """
@@ -22,6 +24,9 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from sparse_mla.decode.launcher import carveout_hint, launch
 from sparse_mla.formats import cache_bytes
@@ -94,6 +99,145 @@ def gather_max(
     return out
 
 
+# the tensor-memory copy into shared memory (``async_load`` in newer Gluon)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+REC_ROWS = gl.constexpr(41)  # 16-byte rows of a 656-byte V32 record
+TMA_BYTES = gl.constexpr(64 * (32 + 16) * 16)  # a group's two boxes a record: 512 B of NoPE, 256 B from its scales on
+
+
+@gluon.jit
+def _tma_loader(nope_desc, tail_desc, nope, tail, ready, empty, idx_ptr, n, n_slots, PBS: gl.constexpr):
+    """The loader warp of :func:`_gather_max_tma_kernel`: per group of 64 indices, two copies a record
+    (rows ``[0, 32)`` and ``[32, 48)`` of its 16-byte rows; the second box runs 112 bytes into the
+    next record, or past the block where the copy fills zeros) into a free stage; an index outside
+    ``[0, n_slots)`` copies slot 0 (the reader skips it)."""
+    NS: gl.constexpr = ready.shape[0]
+    pid = gl.program_id(0)
+    g = gl.num_programs(0)
+    mine = gl.cdiv(gl.cdiv(n, 64) - pid, g)
+    for j in range(mine):
+        stage = j % NS
+        mbarrier.wait(empty.index(stage), ((j // NS) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, TMA_BYTES)
+        grp = pid + j * g
+        for t in gl.static_range(64):
+            i = grp * 64 + t
+            s = gl.load(idx_ptr + i, mask=i < n, other=-1)
+            s = gl.where((s >= 0) & (s < n_slots), s, 0)
+            row = (s % PBS) * REC_ROWS
+            _tma_load(nope_desc, [s // PBS, row, 0], bar, nope.index(stage * 64 + t))
+            _tma_load(tail_desc, [s // PBS, row + 32, 0], bar, tail.index(stage * 64 + t))
+
+
+@gluon.jit
+def _tma_reader(nope, tail, ready, empty, idx_ptr, n, n_slots, out_ptr):
+    """The reader warps of :func:`_gather_max_tma_kernel`: per landed group, the max int32 word of
+    its valid records (the NoPE box's 128 words and the first 36 of the second box's 64), then the
+    stage goes back to the loader."""
+    NS: gl.constexpr = ready.shape[0]
+    PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    nope_w = nope._reinterpret(gl.int32, [NS, 64, 128], PLAIN)
+    tail_w = tail._reinterpret(gl.int32, [NS, 64, 64], PLAIN)
+    LN: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    pid = gl.program_id(0)
+    g = gl.num_programs(0)
+    mine = gl.cdiv(gl.cdiv(n, 64) - pid, g)
+    for j in range(mine):
+        stage = j % NS
+        mbarrier.wait(ready.index(stage), (j // NS) & 1)
+        grp = pid + j * g
+        tok = grp * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, LN))
+        s = gl.load(idx_ptr + tok, mask=tok < n, other=-1)
+        ok = gl.expand_dims((s >= 0) & (s < n_slots), 1)
+        w = nope_w.index(stage).load(LN)
+        m = gl.max(gl.max(gl.where(ok, w, -2147483648), axis=1), axis=0)
+        col = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, LN)), 0)
+        wt = tail_w.index(stage).load(LN)
+        mt = gl.max(gl.max(gl.where(ok & (col < REC_ROWS * 4 - 128), wt, -2147483648), axis=1), axis=0)
+        gl.store(out_ptr + grp, gl.maximum(m, mt))
+        gl.thread_barrier()  # every reader's loads of the stage before it is released
+        mbarrier.arrive(empty.index(stage), count=1)
+
+
+@gluon.jit
+def _gather_max_tma_kernel(nope_desc, tail_desc, idx_ptr, n, n_slots, out_ptr, PBS: gl.constexpr, NS: gl.constexpr):
+    """:func:`_gather_max_kernel`'s result with the records brought by tensor-memory copies into an
+    ``NS``-stage ring (48 KB a stage): one loader warp issues, four reader warps reduce; grid-stride
+    over the groups (one program per SM)."""
+    L3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
+    nope = gl.allocate_shared_memory(gl.uint8, [NS * 64, 1, 32, 16], L3)
+    tail = gl.allocate_shared_memory(gl.uint8, [NS * 64, 1, 16, 16], L3)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (_tma_reader, (nope, tail, ready, empty, idx_ptr, n, n_slots, out_ptr)),
+            (_tma_loader, (nope_desc, tail_desc, nope, tail, ready, empty, idx_ptr, n, n_slots, PBS)),
+        ],
+        [1],
+        [48],
+    )
+
+
+def tma_descriptors(k_cache: torch.Tensor) -> tuple:
+    """The two host descriptors of :func:`gather_max_tma` over a V32 cache's bytes, seen as
+    ``[num_blocks, page_block_size * 41, 16]`` (16-byte rows; any 16-byte block stride).
+
+    Raises:
+        ValueError: not 656-byte records at a 656-byte token stride, or a block stride or start
+            that is not a multiple of 16 bytes.
+    """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    raw = cache_bytes(k_cache)
+    if raw.dim() != 4 or raw.shape[2] != 1 or raw.shape[3] != 656 or raw.stride(1) != 656 or raw.stride(3) != 1:
+        raise ValueError(
+            f"k_cache: expected V32 records [num_blocks, page_block_size, 1, 656] at a 656-byte token stride, got "
+            f"shape {list(raw.shape)} strides {tuple(raw.stride())}"
+        )
+    if raw.stride(0) % 16 or raw.data_ptr() % 16:
+        raise ValueError(f"k_cache: block stride {raw.stride(0)} and start must be multiples of 16 bytes")
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
+    shape = [raw.shape[0], raw.shape[1] * REC_ROWS.value, 16]
+    strides = [raw.stride(0), 16, 1]
+    return (
+        TensorDescriptor(raw, shape, strides, [1, 32, 16], layout),
+        TensorDescriptor(raw, shape, strides, [1, 16, 16], layout),
+    )
+
+
+def gather_max_tma(
+    k_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None, stages: int = 4, descs=None
+) -> torch.Tensor:
+    """:func:`gather_max` (V32 caches only) with the records brought by tensor-memory copies
+    (:func:`_gather_max_tma_kernel`; sm_90+, not under the interpreter). ``stages``: ring depth
+    (48 KB each, at most 4); ``descs``: :func:`tma_descriptors` of ``k_cache``, made here when None.
+
+    Raises:
+        ValueError: ``stages`` outside 1..4; ``k_cache`` as :func:`tma_descriptors` refuses it.
+    """
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 4:
+        raise ValueError(f"stages: expected an int in 1..4 (48 KB of shared memory each), got {stages!r}")
+    nope_desc, tail_desc = descs or tma_descriptors(k_cache)
+    raw = cache_bytes(k_cache)
+    idx = indices.reshape(-1).contiguous()
+    n = idx.numel()
+    groups = triton.cdiv(n, BLOCK_T)
+    if out is None:
+        out = torch.empty(groups, dtype=torch.int32, device=idx.device)
+    if groups == 0:
+        return out
+    programs = min(groups, torch.cuda.get_device_properties(idx.device).multi_processor_count)
+    _gather_max_tma_kernel[(programs,)](
+        nope_desc, tail_desc, idx, n, raw.shape[0] * raw.shape[1], out, PBS=raw.shape[1], NS=stages, num_warps=4
+    )
+    return out
+
+
 def gather_max_reference(k_cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Twin of :func:`gather_max` in PyTorch."""
     raw = cache_bytes(k_cache)
@@ -108,10 +252,11 @@ def gather_max_reference(k_cache: torch.Tensor, indices: torch.Tensor) -> torch.
     return words.view(-1, BLOCK_T * words.shape[1]).amax(dim=1).to(indices.device)
 
 
-def rows_for(s: harness.DecodeShape, quick: bool, carveouts: list[int]) -> list[dict]:
+def rows_for(s: harness.DecodeShape, quick: bool, carveouts: list[int], tma_stages: int = 0) -> list[dict]:
     """The three gather rows (µs, GB/s on the gathered bytes) for one decode shape, at each of the
-    shared-memory carveout hints ``carveouts`` (percent, -1: the driver's default); the shape's
-    cache and index sets are built once for all of them."""
+    shared-memory carveout hints ``carveouts`` (percent, -1: the driver's default), and with
+    ``tma_stages`` > 0 the same three by :func:`gather_max_tma` with that many stages (carveout
+    ``"tma"``); the shape's cache and index sets are built once for all of them."""
     inp = harness.decode_inputs(s)
     rec = cache_bytes(inp.k_cache).shape[-1]
     n = inp.index_sets[0].numel()
@@ -125,12 +270,15 @@ def rows_for(s: harness.DecodeShape, quick: bool, carveouts: list[int]) -> list[
     }
     out = torch.empty(triton.cdiv(n, BLOCK_T), dtype=torch.int32, device="cuda")
     rows = []
-    for carveout in carveouts:
+    descs = tma_descriptors(inp.k_cache) if tma_stages else None
+    for carveout in [*carveouts, *(["tma"] if tma_stages else [])]:
         for name, sets in cases.items():
             state = {"i": 0}
 
             def call(sets=sets, state=state, carveout=carveout):
                 state["i"] += 1
+                if carveout == "tma":
+                    return gather_max_tma(inp.k_cache, sets[state["i"] % len(sets)], out, tma_stages, descs)
                 return gather_max(inp.k_cache, sets[state["i"] % len(sets)], out, carveout)
 
             us = harness.median_us(call, quick)
@@ -153,6 +301,13 @@ def main(argv=None) -> int:
         help="shared-memory carveout hints to run (percent; -1: the driver's default; 100: the most shared "
         "memory, the L1 a kernel past 48 KB gets from Triton); repeatable, default -1",
     )
+    ap.add_argument(
+        "--tma",
+        type=int,
+        default=0,
+        metavar="STAGES",
+        help="also the tensor-memory gather (gather_max_tma) with this many 48 KB stages (Hopper, V32)",
+    )
     a = ap.parse_args(argv)
     if not harness.has_cuda("benchmarks.gather"):
         return 2
@@ -160,7 +315,7 @@ def main(argv=None) -> int:
     print(f"# device copy {copy:.0f} GB/s")
     rows = []
     for s in harness.select(harness.SMALL_HEAD_SHAPES, a.only):
-        for r in rows_for(s, a.quick, a.carveout or [-1]):
+        for r in rows_for(s, a.quick, a.carveout or [-1], a.tma):
             r["pct_copy"] = 100 * r["gbs"] / copy
             rows.append(r)
             print(

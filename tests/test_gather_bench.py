@@ -4,6 +4,11 @@ group, both V32 records and a strided pool view."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -49,3 +54,68 @@ def test_gather_max_pool_view_and_bad_records():
     # strided and expanded index views are valid inputs
     for ix in (idx[::2], idx[:1].expand(64)):
         assert torch.equal(gather_max(view, ix).cpu(), gather_max_reference(view, ix).cpu())
+
+
+_COMPILE_TMA = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from benchmarks.gather import _gather_max_tma_kernel
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import mangle_type
+
+def desc(rows):  # the signature type of a host descriptor, as the launcher would mangle it
+    raw = torch.zeros(2, 64 * 41, 16, dtype=torch.uint8)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
+    return mangle_type(TensorDescriptor(raw, list(raw.shape), list(raw.stride()), [1, rows, 16], layout))
+
+sig = dict(nope_desc=desc(32), tail_desc=desc(16), idx_ptr="*i32", n="i32", n_slots="i32", out_ptr="*i32",
+           PBS="constexpr", NS="constexpr")
+names = list(sig)
+src = GluonASTSource(fn=_gather_max_tma_kernel, signature=sig,
+                     constexprs={(names.index("PBS"),): 64, (names.index("NS"),): 4},
+                     attrs={(names.index("idx_ptr"),): [["tt.divisibility", 16]],
+                            (names.index("out_ptr"),): [["tt.divisibility", 16]]})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+ptx = k.asm["ptx"]
+first, last = ptx.index("cp.async.bulk.tensor.3d"), ptx.rindex("cp.async.bulk.tensor.3d")
+print(json.dumps(dict(copies=ptx.count("cp.async.bulk.tensor.3d"), shared=k.metadata.shared,
+                      loader_barriers=ptx[first:last].count("bar.sync") + ptx[first:last].count("barrier.sync"))))
+"""
+
+
+def test_tma_gather_kernel_compiles_for_hopper():
+    # the tensor-memory gather (benchmarks/gather.py --tma) compiled for sm_90a with no GPU (in a
+    # process without the interpreter): two copies a record issued by the loader warp alone (no CTA
+    # barrier between them), a ring of four 48 KB stages within the 227 KB of shared memory
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), root, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _COMPILE_TMA], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["copies"] == 128 and got["loader_barriers"] == 0, got
+    assert 4 * 48 * 1024 <= got["shared"] <= 227 * 1024, got
+
+
+@pytest.mark.skipif(
+    DEVICE != "cuda" or torch.cuda.get_device_capability() < (9, 0), reason="tensor-memory copies: sm_90+"
+)
+def test_gather_max_tma_matches_twin():
+    from benchmarks.gather import gather_max_tma
+
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(10, 64, 1, 576, generator=g).to(torch.bfloat16)
+    pool = flash_mla.quantize_k_cache(k, "V32").to(DEVICE)
+    for cache in (pool, pool[3:9]):  # a pool view: its block stride and offset
+        n_slots = cache.shape[0] * cache.shape[1]
+        idx = torch.randint(-1, n_slots + 5, (64 * 37 + 11,), generator=g, dtype=torch.int32)
+        idx[64 * 5 : 64 * 6] = -1  # a group with no valid record
+        idx[:64] = torch.arange(n_slots - 64, n_slots, dtype=torch.int32)  # the last tokens of blocks
+        idx = idx.to(DEVICE)
+        for stages in (2, 4):
+            assert torch.equal(gather_max_tma(cache, idx, stages=stages).cpu(), gather_max_reference(cache, idx).cpu())
