@@ -785,23 +785,9 @@ def _consumer_qk(
         acc = gl.zeros([64, D_NOPE // 2], gl.float32, O_L)
         for _step in range(blk0 * STEPS, blk1 * STEPS):
             acc, m_i, l_i = _qk_step(
-                it,
-                hs,
-                acc,
-                m_i,
-                l_i,
-                q_smem,
-                qr_smem,
-                p_smem,
-                ring,
-                hand,
-                scale_log2,
-                S_L,
-                O_L,
-                KV_BF16,
-                IS_V32,
+                it, hs, acc, m_i, l_i, q_smem, qr_smem, p_smem, ring, hand, scale_log2, S_L, O_L, KV_BF16, IS_V32,
                 PROFILE,
-            )
+            )  # fmt: skip
             it += 1
             hs += 1
 
