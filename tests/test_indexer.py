@@ -566,7 +566,9 @@ def test_topk_without_ranges_matches_full_ranges(path):
     "cfg, key",
     [({"bisect_cap": 3}, "bisect_cap"), ({"bisect_cap": 0}, "bisect_cap"), ({"bisect_cap": 2.0}, "bisect_cap"),
      ({"bisect_warps": 3}, "bisect_warps"), ({"bisect_warps": 64}, "bisect_warps"), ({"bisect_warps": True}, "bisect_warps"),
-     ({"bisect_pack16": 1}, "bisect_pack16"), ({"bisect_vec_load": "yes"}, "bisect_vec_load")],
+     ({"bisect_pack16": 1}, "bisect_pack16"), ({"bisect_vec_load": "yes"}, "bisect_vec_load"),
+     ({"bisect_maxnreg": 8}, "bisect_maxnreg"), ({"bisect_maxnreg": 256}, "bisect_maxnreg"),
+     ({"bisect_maxnreg": 64.0}, "bisect_maxnreg")],
 )  # fmt: skip
 def test_topk_register_path_config_is_checked(cfg, key):
     # (found by a fresh-user attack: a list capacity of 3 x k or 3 warps left a list or a row that
@@ -575,7 +577,7 @@ def test_topk_register_path_config_is_checked(cfg, key):
 
     x = torch.randn(1, 200, device=DEVICE)
     ends = torch.tensor([0], device=DEVICE), torch.tensor([200], device=DEVICE)
-    with pytest.raises(ValueError, match=f"config: {key} must be (a power of two|a bool|an int)"):
+    with pytest.raises(ValueError, match=f"config: {key} must be (a power of two|a bool|an int|0 \\(the compiler)"):
         launch_topk(x, *ends, torch.empty(1, 64, dtype=torch.int32, device=DEVICE), 64, 64, config=cfg)
 
 
@@ -1082,3 +1084,26 @@ def test_dequantize_indexer_cache_returns_the_stored_keys():
     assert keys.shape == (8, 32) and scales.shape == (8,)
     got = keys[[0, 3, 4, 6, 7]] * scales[[0, 3, 4, 6, 7]].unsqueeze(1)
     torch.testing.assert_close(got, k, rtol=0.07, atol=1e-3)  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a register cap is a compiled-kernel setting (the interpreter has none)")
+@pytest.mark.parametrize("maxnreg", [64, 72])
+def test_topk_register_path_under_a_register_cap(maxnreg):
+    # bisect_maxnreg (two rows an SM at 64: the kernel spills): the same sets as the default, on
+    # 32K-entry rows with ties at the k-th key, NaN and -inf, and a row within the list's capacity
+    from sparse_mla.indexer.kernels import launch_topk
+
+    g = torch.Generator().manual_seed(maxnreg)
+    rows, n, k = 8, 32768, 2048
+    x = torch.randn(rows, n, generator=g)
+    x[1, 100:5000] = 0.5  # thousands tied around the k-th
+    x[2, ::3] = float("nan")
+    x[2, 1::5] = float("-inf")
+    x[3] = x[3].abs() * 1e-30
+    lo = torch.zeros(rows, dtype=torch.int64)
+    hi = torch.full((rows,), n, dtype=torch.int64)
+    lo[4], hi[4] = 7000, 9000  # within the cap: no top bits
+    x, lo, hi = x.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE)
+    got = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
+    launch_topk(x, lo, hi, got, k, k, config={"bisect_maxnreg": maxnreg}, ordered=False)
+    assert same_index_sets(got.cpu(), topk_indices_reference(x.cpu(), k, lo.cpu(), hi.cpu()))

@@ -1057,7 +1057,9 @@ def _topk_bisect_kernel(
 #: up to ``bisect_warps`` warps (fewer for short rows: one per 2048 entries, at least 4) and a list
 #: of up to ``bisect_cap`` x k keys (both powers of two; ``bisect_vec_load``: the row read by 16-byte
 #: loads, an experiment; ``bisect_pack16``: the top bits two keys a register, fp16 compares; off with
-#: ``bisect_vec_load`` or fewer than two entries a thread); longer rows
+#: ``bisect_vec_load`` or fewer than two entries a thread; ``bisect_maxnreg``: the register cap of
+#: that kernel, 0 = the compiler's choice: 128 at 16 warps, one program per SM; 64 lets two rows
+#: share an SM, with 632 B of spills a thread offline, not yet timed); longer rows
 #: take the radix select: ``bits`` per radix pass of the per-row kernel (a power of two up to
 #: 16), ``block`` row entries a step, ``num_warps``; ``compact`` (8-bit digits): the candidate list's
 #: capacity per row (0: one kernel does every pass over the row); ``programs_per_sm``: the row split
@@ -1070,7 +1072,7 @@ def _topk_bisect_kernel(
 #: 4-bit levels 246; one kernel (compact 0) 289 (radix passes 198, select 52, sort 37).
 TOPK_CONFIG = dict(
     bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=4, hist_bits=8, split_block=2048, final_warps=8,
-    bisect=32768, bisect_warps=16, bisect_cap=2, bisect_pack16=True,
+    bisect=32768, bisect_warps=16, bisect_cap=2, bisect_pack16=True, bisect_maxnreg=0,
 )  # fmt: skip
 _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 
@@ -1110,6 +1112,7 @@ def _topk_config(config) -> dict:
         ("programs_per_sm", 1 <= cfg["programs_per_sm"] <= 64, "must be from 1 to 64"),
         ("final_warps", cfg["final_warps"] in (0, 1, 2, 4, 8, 16, 32), "must be 0 (num_warps) or a power of two up to 32"),
         ("bisect", 0 <= cfg["bisect"] <= 32768, "must be from 0 (never) to 32768"),
+        ("bisect_maxnreg", cfg["bisect_maxnreg"] == 0 or 16 <= cfg["bisect_maxnreg"] <= 255, "must be 0 (the compiler's) or from 16 to 255"),
         ("profile", cfg["profile"] in (0, 1, 2, 3, 4), "must be 0 (off) or a timing stop 1-4 (the radix path has 1-2; more acts as 2)"),
     )  # fmt: skip
     for key, ok, what in checks:
@@ -1198,7 +1201,7 @@ def launch_topk(
             cand, cand.stride(0),
             N_P2=n_p2, BLOCK=block, K_P2=k_p2, CAP=cap, THREADS=32 * warps, TIE_BITS=n_p2.bit_length() - 1, SLOTS=slots, SORTED=bool(ordered),
             FOR_LOOP=for_loop, STOP=cfg["profile"], VEC=vec, PACK16=cfg["bisect_pack16"] and vec == 1 and n_p2 >= 64 * warps,
-            num_warps=warps,
+            num_warps=warps, **({"maxnreg": cfg["bisect_maxnreg"]} if cfg["bisect_maxnreg"] and not interpreting() else {}),
         )  # fmt: skip
         return
     hb = cfg["hist_bits"]
