@@ -5,7 +5,7 @@ Each config's result is checked against the default config's (same logits bits u
 summation order: max |diff| printed; the top-k must be identical), then timed; configs that fail
 to compile or run are reported and skipped.
 
-    python -m benchmarks.indexer_sweep [--quick] [--only paged|prefill|topk] [--json PATH]
+    python -m benchmarks.indexer_sweep [--quick] [--only paged|prefill|topk] [--match TEXT] [--json PATH]
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ def sweep_prefill(quick: bool, rows: list) -> None:
         )
 
 
-def sweep_topk(quick: bool, rows: list) -> None:
+def sweep_topk(quick: bool, rows: list, match: str | None = None) -> None:
+    """The top-k configs below on 256 rows of 32K, k 2048 (``match``: only those whose text contains
+    it, after the default register path as the baseline of the same run)."""
     n_rows, n, k = 256, 32768, 2048
     x = torch.randn(n_rows, n, device="cuda")
     lo = torch.zeros(n_rows, dtype=torch.int64, device="cuda")
@@ -151,6 +153,8 @@ def sweep_topk(quick: bool, rows: list) -> None:
     # where the single kernel's time goes (results not checked): without the final sort; the radix
     # passes alone
     configs += [dict(bits=8, block=2048, num_warps=4, compact=0, profile=p, bisect=0) for p in (1, 2)]
+    if match:
+        configs = [dict(bisect=32768)] + [c for c in configs if match in str(c)]
     for cfg, kk in itertools.product(configs, (k,)):
 
         def check(cfg=cfg, kk=kk):
@@ -178,6 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--only", choices=("paged", "paged_tma", "prefill", "topk"), help="paged_tma: the tensor-memory grid only"
     )
+    ap.add_argument("--match", help="topk: only the configs whose text contains this (and the default)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if not harness.has_cuda("benchmarks.indexer_sweep"):
@@ -192,7 +197,7 @@ def main(argv=None) -> int:
         print(bench_prefill(args.quick, 1.0))
         sweep_prefill(args.quick, rows)
     if args.only in (None, "topk"):
-        sweep_topk(args.quick, rows)
+        sweep_topk(args.quick, rows, args.match)
     for kind in ("paged", "prefill", "topk k=2048"):
         best = sorted((r for r in rows if r["kind"] == kind and r["err"] < float("inf")), key=lambda r: r["us"])[:3]
         for r in best:
