@@ -11,7 +11,9 @@ each indexed record as int32 words (16-byte vectors, 64 records a program, many 
 shared memory, no conversion) and stores one max per program; its twin is
 :func:`gather_max_reference`. ``--tma`` adds the same gather by the tensor-memory accelerator
 (:func:`gather_max_tma`, Hopper, 656-byte V32 records): no L1, no registers between HBM and shared
-memory, the question being whether it beats the 16-byte loads' ceiling. Rows: the decode row's own index sets (rotated past L2, as
+memory, the question being whether it beats the 16-byte loads' ceiling; its GB/s count the 656
+useful bytes of a record, the copies move 768 (two power-of-two boxes; 112 B of the next record).
+Rows: the decode row's own index sets (rotated past L2, as
 :func:`benchmarks.harness.decode_inputs` builds them), the same number of records at random slots
 of a 32 MB window (L2-resident), and consecutive slots (a streaming read).
 """
@@ -102,15 +104,21 @@ def gather_max(
 # the tensor-memory copy into shared memory (``async_load`` in newer Gluon)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 REC_ROWS = gl.constexpr(41)  # 16-byte rows of a 656-byte V32 record
-TMA_BYTES = gl.constexpr(64 * (32 + 16) * 16)  # a group's two boxes a record: 512 B of NoPE, 256 B from its scales on
+REC_BOX_BYTES = gl.constexpr((32 + 16) * 16)  # a record's two boxes: 512 B of NoPE, 256 B from its scales on
+LOADERS = gl.constexpr(4)  # loader warps: each issues 16 records' copies a group
 
 
 @gluon.jit
-def _tma_loader(nope_desc, tail_desc, nope, tail, ready, empty, idx_ptr, n, n_slots, PBS: gl.constexpr):
-    """The loader warp of :func:`_gather_max_tma_kernel`: per group of 64 indices, two copies a record
-    (rows ``[0, 32)`` and ``[32, 48)`` of its 16-byte rows; the second box runs 112 bytes into the
-    next record, or past the block where the copy fills zeros) into a free stage; an index outside
-    ``[0, n_slots)`` copies slot 0 (the reader skips it)."""
+def _tma_loader(
+    nope_desc, tail_desc, nope, tail, ready, empty, idx_ptr, n, n_slots, PBS: gl.constexpr, PART: gl.constexpr
+):
+    """Loader warp ``PART`` of :func:`_gather_max_tma_kernel`: per group of 64 indices, its 16
+    records (``16 PART ..``), two copies a record (rows ``[0, 32)`` and ``[32, 48)`` of its 16-byte
+    rows; the second box runs 112 bytes into the next record, or past the block where the copy
+    fills zeros) into a free stage; an index outside ``[0, n_slots)`` copies slot 0 (the reader
+    skips it). Four loaders keep four index loads in flight (one warp issues its copies in turn,
+    each after its index arrives)."""
+    PER: gl.constexpr = 64 // LOADERS
     NS: gl.constexpr = ready.shape[0]
     pid = gl.program_id(0)
     g = gl.num_programs(0)
@@ -119,9 +127,10 @@ def _tma_loader(nope_desc, tail_desc, nope, tail, ready, empty, idx_ptr, n, n_sl
         stage = j % NS
         mbarrier.wait(empty.index(stage), ((j // NS) & 1) ^ 1)
         bar = ready.index(stage)
-        mbarrier.expect(bar, TMA_BYTES)
+        mbarrier.expect(bar, PER * REC_BOX_BYTES)  # (an arrive: `ready` counts the loaders)
         grp = pid + j * g
-        for t in gl.static_range(64):
+        for tt in gl.static_range(PER):
+            t = PART * PER + tt
             i = grp * 64 + t
             s = gl.load(idx_ptr + i, mask=i < n, other=-1)
             s = gl.where((s >= 0) & (s < n_slots), s, 0)
@@ -163,23 +172,27 @@ def _tma_reader(nope, tail, ready, empty, idx_ptr, n, n_slots, out_ptr):
 @gluon.jit
 def _gather_max_tma_kernel(nope_desc, tail_desc, idx_ptr, n, n_slots, out_ptr, PBS: gl.constexpr, NS: gl.constexpr):
     """:func:`_gather_max_kernel`'s result with the records brought by tensor-memory copies into an
-    ``NS``-stage ring (48 KB a stage): one loader warp issues, four reader warps reduce; grid-stride
-    over the groups (one program per SM)."""
+    ``NS``-stage ring (48 KB a stage): four loader warps issue, four reader warps reduce; grid-stride
+    over the groups (by default one program per SM)."""
     L3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
     nope = gl.allocate_shared_memory(gl.uint8, [NS * 64, 1, 32, 16], L3)
     tail = gl.allocate_shared_memory(gl.uint8, [NS * 64, 1, 16, 16], L3)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=LOADERS)
         mbarrier.init(empty.index(i), count=1)
+    gl.static_assert(LOADERS == 4, "the partitions below are written out for four loaders")
     gl.warp_specialize(
         [
             (_tma_reader, (nope, tail, ready, empty, idx_ptr, n, n_slots, out_ptr)),
-            (_tma_loader, (nope_desc, tail_desc, nope, tail, ready, empty, idx_ptr, n, n_slots, PBS)),
+            (_tma_loader, (nope_desc, tail_desc, nope, tail, ready, empty, idx_ptr, n, n_slots, PBS, 0)),
+            (_tma_loader, (nope_desc, tail_desc, nope, tail, ready, empty, idx_ptr, n, n_slots, PBS, 1)),
+            (_tma_loader, (nope_desc, tail_desc, nope, tail, ready, empty, idx_ptr, n, n_slots, PBS, 2)),
+            (_tma_loader, (nope_desc, tail_desc, nope, tail, ready, empty, idx_ptr, n, n_slots, PBS, 3)),
         ],
-        [1],
-        [48],
+        [1, 1, 1, 1],
+        [48, 48, 48, 48],
     )
 
 
@@ -211,17 +224,32 @@ def tma_descriptors(k_cache: torch.Tensor) -> tuple:
 
 
 def gather_max_tma(
-    k_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None, stages: int = 4, descs=None
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    out: torch.Tensor | None = None,
+    stages: int = 4,
+    descs=None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """:func:`gather_max` (V32 caches only) with the records brought by tensor-memory copies
     (:func:`_gather_max_tma_kernel`; sm_90+, not under the interpreter). ``stages``: ring depth
-    (48 KB each, at most 4); ``descs``: :func:`tma_descriptors` of ``k_cache``, made here when None.
+    (48 KB each, at most 4); ``descs``: :func:`tma_descriptors` of ``k_cache``, made here when None;
+    ``programs``: the grid (default one program per SM, at most one per group of 64 indices).
 
     Raises:
-        ValueError: ``stages`` outside 1..4; ``k_cache`` as :func:`tma_descriptors` refuses it.
+        ValueError: ``stages`` outside 1..4 or ``programs`` < 1; ``indices`` not int32 on the cache's
+            CUDA device; ``out`` not a contiguous int32 ``[ceil(n / 64)]`` there; ``k_cache`` as
+            :func:`tma_descriptors` refuses it.
     """
     if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 4:
         raise ValueError(f"stages: expected an int in 1..4 (48 KB of shared memory each), got {stages!r}")
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs: expected an int >= 1 or None, got {programs!r}")
+    if indices.dtype != torch.int32 or indices.device != k_cache.device or k_cache.device.type != "cuda":
+        raise ValueError(
+            f"indices: expected int32 on the cache's CUDA device, got {indices.dtype} on {indices.device} "
+            f"(cache on {k_cache.device})"
+        )
     nope_desc, tail_desc = descs or tma_descriptors(k_cache)
     raw = cache_bytes(k_cache)
     idx = indices.reshape(-1).contiguous()
@@ -229,9 +257,15 @@ def gather_max_tma(
     groups = triton.cdiv(n, BLOCK_T)
     if out is None:
         out = torch.empty(groups, dtype=torch.int32, device=idx.device)
+    elif (
+        out.dtype != torch.int32 or tuple(out.shape) != (groups,) or not out.is_contiguous() or out.device != idx.device
+    ):
+        raise ValueError(
+            f"out: expected a contiguous int32 [{groups}] on {idx.device}, got {out.dtype} {list(out.shape)}"
+        )
     if groups == 0:
         return out
-    programs = min(groups, torch.cuda.get_device_properties(idx.device).multi_processor_count)
+    programs = min(groups, programs or torch.cuda.get_device_properties(idx.device).multi_processor_count)
     _gather_max_tma_kernel[(programs,)](
         nope_desc, tail_desc, idx, n, raw.shape[0] * raw.shape[1], out, PBS=raw.shape[1], NS=stages, num_warps=4
     )

@@ -126,7 +126,8 @@ def sweep_topk(quick: bool, rows: list, match: str | None = None) -> None:
     configs += [dict(bisect=32768, profile=4)]
     configs += [dict(bisect=32768, bisect_cap=c) for c in (1, 4)]
     configs += [dict(bisect=32768, bisect_vec_load=True)]
-    # two rows an SM: a 64-register cap (512 threads x 64 = half the register file; spills offline)
+    # two rows an SM: a 64-register cap (512 threads x 64 = half the register file; spills offline);
+    # 72 still holds one row an SM: the spills' cost alone, for comparison
     configs += [dict(bisect=32768, bisect_maxnreg=m) for m in (64, 72)]
     configs += [dict(bisect=32768, profile=p) for p in (1, 2, 3)]
     configs += [dict(bisect=32768, bisect_vec_load=True, profile=p) for p in (1, 2)]

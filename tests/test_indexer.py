@@ -1089,7 +1089,7 @@ def test_dequantize_indexer_cache_returns_the_stored_keys():
 @pytest.mark.skipif(not ON_GPU, reason="a register cap is a compiled-kernel setting (the interpreter has none)")
 @pytest.mark.parametrize("maxnreg", [64, 72])
 def test_topk_register_path_under_a_register_cap(maxnreg):
-    # bisect_maxnreg (two rows an SM at 64: the kernel spills): the same sets as the default, on
+    # bisect_maxnreg (two rows an SM at 64, a spill-cost control at 72): the same sets as the default, on
     # 32K-entry rows with ties at the k-th key, NaN and -inf, and a row within the list's capacity
     from sparse_mla.indexer.kernels import launch_topk
 
@@ -1107,3 +1107,13 @@ def test_topk_register_path_under_a_register_cap(maxnreg):
     got = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
     launch_topk(x, lo, hi, got, k, k, config={"bisect_maxnreg": maxnreg}, ordered=False)
     assert same_index_sets(got.cpu(), topk_indices_reference(x.cpu(), k, lo.cpu(), hi.cpu()))
+    # the cap reached the compiler: the kernels compiled with it use at most that many registers
+    from sparse_mla.indexer import kernels as K
+
+    capped = [
+        c
+        for cache in K._topk_bisect_kernel.device_caches.values()
+        for c in cache[0].values()
+        if getattr(c.metadata, "maxnreg", None) == maxnreg
+    ]
+    assert capped and all(c.n_regs <= maxnreg for c in capped), [(c.metadata.maxnreg, c.n_regs) for c in capped]

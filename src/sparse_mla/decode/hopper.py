@@ -153,7 +153,7 @@ class HopperConfig:
         half_stages: 64-head tiles: a ring of three 32-token stages (each 64-token block in two
             consumer steps, Sᵀ with N = 32) instead of two 64-token ones, so that the kernel fits the
             196 KB carveout (60 KB of L1). None (default): on for the MODEL1 cache's FP8 decode
-            (measured on the H200 in graph replay, session 16: every MODEL1 row 2-10 % faster,
+            (measured on the H200 in graph replay, session 16: every MODEL1 row 1.5-10 % faster,
             b=128 h_q 64 topk 128 + 512 extra 105.1 → 94.2 µs), off for V3.2 (the consumers' two
             steps a block cost more than the producer gains: 235.4 → 245.3 µs at b=64/h_q 128,
             248.6 → 254.0 at b=128/h_q 64; taking a block's two stages in one consumer step was
