@@ -129,6 +129,9 @@ def sweep_topk(quick: bool, rows: list, match: str | None = None) -> None:
     # two rows an SM: a 64-register cap (512 threads x 64 = half the register file; spills offline);
     # 72 still holds one row an SM: the spills' cost alone, for comparison
     configs += [dict(bisect=32768, bisect_maxnreg=m) for m in (64, 72)]
+    # the top 15 bits from the keys' top halves, the list from the row read again: with the cap, and
+    # alone (the second read's cost)
+    configs += [dict(bisect=32768, bisect_lowreg=True, bisect_maxnreg=64), dict(bisect=32768, bisect_lowreg=True)]
     configs += [dict(bisect=32768, profile=p) for p in (1, 2, 3)]
     configs += [dict(bisect=32768, bisect_vec_load=True, profile=p) for p in (1, 2)]
     configs += [
@@ -154,8 +157,8 @@ def sweep_topk(quick: bool, rows: list, match: str | None = None) -> None:
     # where the single kernel's time goes (results not checked): without the final sort; the radix
     # passes alone
     configs += [dict(bits=8, block=2048, num_warps=4, compact=0, profile=p, bisect=0) for p in (1, 2)]
-    if match:
-        configs = [dict(bisect=32768)] + [c for c in configs if match in str(c)]
+    if match:  # (alternatives separated by '|')
+        configs = [dict(bisect=32768)] + [c for c in configs if any(m in str(c) for m in match.split("|"))]
     for cfg, kk in itertools.product(configs, (k,)):
 
         def check(cfg=cfg, kk=kk):
@@ -183,7 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--only", choices=("paged", "paged_tma", "prefill", "topk"), help="paged_tma: the tensor-memory grid only"
     )
-    ap.add_argument("--match", help="topk: only the configs whose text contains this (and the default)")
+    ap.add_argument("--match", help="topk: only the configs whose text contains this ('a|b': either; and the default)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if not harness.has_cuda("benchmarks.indexer_sweep"):
