@@ -507,24 +507,28 @@ def test_topk_kernel_configs_match_twin(n, k, cfg):
 def test_topk_register_path_every_phase(ordered, vec_load, pack16, lowreg):
     # the register path's phases (k 100: a candidate list of cap = 2 x 128 = 256): the top bits
     # until <= 256 keys are at or above them, the list, the rest of the bits on it, the select; a
-    # range already within the cap (no top bits); 200 keys tied at the k-th (the list holds them:
-    # the tie rule on the list) and 300 (more than the cap: the select pass over the row); all
+    # range already within the cap (no top bits); 180 keys tied at the k-th (with the 60 above them
+    # the list holds them: the tie rule on the list) and 300 (more than the cap: the select pass over
+    # the row); all
     # negative; NaN, +-inf and -0.0 around the k-th; exactly k keys at or above a prefix; and the
     # 16-byte row loads of the bisect_vec_load experiment; the top bits two keys a register
     # (pack16) or not, on rows whose k-th key lies among NaN / -inf, whose keys share their top 17
     # bits (the packed bits find nothing), and of subnormals of both signs; and (lowreg) the top 15
     # bits from the keys' top halves alone, the list gathered from the row read again in chunks,
-    # the rows past 15 bits (row 9) through the 32-bit row again
+    # the rows past 15 bits (row 9) through the 32-bit row again; a negative k-th key with 31
+    # positive keys above it (the lanes of keys whose top bit ranks above), 200 positive keys among
+    # negative ones (the top bit alone decides: a list after one bit), exactly the cap (256) at or
+    # above the k-th key
     from sparse_mla.indexer.kernels import launch_topk
 
     g = torch.Generator().manual_seed(11)
     n, k = 3000, 100
-    x = torch.randn(11, n, generator=g)
-    lo = torch.zeros(11, dtype=torch.int64)
-    hi = torch.full((11,), n, dtype=torch.int64)
+    x = torch.randn(14, n, generator=g)
+    lo = torch.zeros(14, dtype=torch.int64)
+    hi = torch.full((14,), n, dtype=torch.int64)
     lo[1], hi[1] = 1000, 1200  # 200 entries: within the cap
     x[2, :60] = 9.0
-    x[2, 500:700] = 5.0  # 60 above, 200 tied at the k-th: 40 of them by position
+    x[2, 500:680] = 5.0  # 60 above, 180 tied at the k-th: 40 of them by position
     x[3, :60] = 9.0
     x[3, 500:800] = 5.0  # 300 tied: more than the cap
     x[4] = -x[4].abs() - 1.0  # all negative
@@ -539,7 +543,13 @@ def test_topk_register_path_every_phase(ordered, vec_load, pack16, lowreg):
     x[8, 50:80] = float("-inf")  # 50 finite, 30 -inf, then NaN by position
     x[9] = 1.0 + torch.arange(n, dtype=torch.float32) * 2.0**-23  # one top 17 bits for all
     x[10] = torch.randn(n, generator=g).sign() * 1e-40 * torch.rand(n, generator=g)  # subnormals
-    out = torch.empty(11, k, dtype=torch.int32, device=DEVICE)
+    x[11] = -torch.rand(n, generator=g) - 1.0
+    x[11, ::97] = torch.rand(31, generator=g) + 0.5  # 31 positive: the k-th key is negative
+    x[12] = -torch.rand(n, generator=g) - 1.0
+    x[12, ::15] = torch.rand(200, generator=g)  # 200 positive: 100 <= 200 <= 256 after the top bit
+    x[13] = torch.randn(n, generator=g).clamp(max=4.0)
+    x[13, 100:356] = 5.0  # 256 tied above the rest: exactly the cap
+    out = torch.empty(14, k, dtype=torch.int32, device=DEVICE)
     args = (x.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE), out, k, k)
     cfg = {
         "bisect": 4096,
@@ -1101,11 +1111,13 @@ def test_dequantize_indexer_cache_returns_the_stored_keys():
 def test_topk_register_path_under_a_register_cap(maxnreg, lowreg):
     # bisect_maxnreg (two rows an SM at 64, a spill-cost control at 72), with and without the top
     # bits from the keys' top halves (bisect_lowreg): the same sets as the default, on
-    # 32K-entry rows with ties at the k-th key, NaN and -inf, and a row within the list's capacity
+    # 32K-entry rows with ties at the k-th key, NaN and -inf, a row within the list's capacity,
+    # exactly the list's capacity tied, one more than it, keys sharing their top 15 bits, and
+    # positive keys among negative ones
     from sparse_mla.indexer.kernels import launch_topk
 
     g = torch.Generator().manual_seed(maxnreg)
-    rows, n, k = 8, 32768, 2048
+    rows, n, k = 9, 32768, 2048
     x = torch.randn(rows, n, generator=g)
     x[1, 100:5000] = 0.5  # thousands tied around the k-th
     x[2, ::3] = float("nan")
@@ -1114,6 +1126,11 @@ def test_topk_register_path_under_a_register_cap(maxnreg, lowreg):
     lo = torch.zeros(rows, dtype=torch.int64)
     hi = torch.full((rows,), n, dtype=torch.int64)
     lo[4], hi[4] = 7000, 9000  # within the cap: no top bits
+    x[5, 1000:5096] = 5.0  # 4096 tied at the top: exactly the cap (2 x k)
+    x[6, 1000:5097] = 5.0  # 4097: past 15 bits, the 32-bit row again, then the select pass
+    x[7] = -(1.0 + torch.randperm(n, generator=g).float() * 2.0**-23)  # one top 15 bits: past them, then a list
+    x[8] = -torch.rand(n, generator=g) - 1.0
+    x[8, ::32] = torch.rand(1024, generator=g)  # 1024 positive among negative keys
     x, lo, hi = x.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE)
     got = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
     launch_topk(x, lo, hi, got, k, k, config={"bisect_maxnreg": maxnreg, "bisect_lowreg": lowreg}, ordered=False)

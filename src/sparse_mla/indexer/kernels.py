@@ -1005,7 +1005,10 @@ def _lowreg_top_bits(row_ptr, lo, hi, kk, stop, N_P2: tl.constexpr, THREADS: tl.
     _pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=THREADS)
     ukey = tl.where(valid, ukey, 0)
     c_top = tl.sum((ukey >= tl.full([], 0x80000000, tl.uint32)).to(tl.int32))
-    k16 = _pair_lanes((ukey >> 16).to(tl.int32), THREADS)  # lanes: sign, then key bits 30..16
+    # lanes: sign, then key bits 30..16, two a word (a shift, not _pair_lanes' multiply: a high lane
+    # of 0x8000 or more would overflow int32, which debug builds check)
+    h3 = tl.reshape((ukey >> 16).to(tl.int32), [N_P2 // THREADS // 2, 2, THREADS])
+    k16 = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == 0, h3, h3 << 16), axis=1)
     kth = tl.zeros([], tl.uint32)
     cnt = hi - lo
     b = tl.zeros([], tl.int32)
