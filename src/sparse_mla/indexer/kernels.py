@@ -954,10 +954,11 @@ def _bisect_down16(ukey, kth, cnt, b, kk, stop, THREADS: tl.constexpr, ASM: tl.c
 @triton.jit
 def _pair_lanes(v, THREADS: tl.constexpr):
     """16-bit values ``v`` (one an entry, the row layout) two a register: entries ``2a`` and ``2a + 1``
-    of a thread in the low and high half of word ``a`` (``[entries / 2 per thread, THREADS]``)."""
+    of a thread in the low and high half of word ``a`` (``[entries / 2 per thread, THREADS]``). The
+    high half by a shift: a multiply would overflow int32 for values of 0x8000 or more (the keys'
+    top halves), which debug builds check."""
     v3 = tl.reshape(v, [v.shape[0] // THREADS // 2, 2, THREADS])
-    half = tl.arange(0, 2)[None, :, None]
-    return tl.sum(v3 * tl.where(half == 0, 1, 65536), axis=1)
+    return tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == 0, v3, v3 << 16), axis=1)
 
 
 @triton.jit
@@ -1005,10 +1006,7 @@ def _lowreg_top_bits(row_ptr, lo, hi, kk, stop, N_P2: tl.constexpr, THREADS: tl.
     _pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=THREADS)
     ukey = tl.where(valid, ukey, 0)
     c_top = tl.sum((ukey >= tl.full([], 0x80000000, tl.uint32)).to(tl.int32))
-    # lanes: sign, then key bits 30..16, two a word (a shift, not _pair_lanes' multiply: a high lane
-    # of 0x8000 or more would overflow int32, which debug builds check)
-    h3 = tl.reshape((ukey >> 16).to(tl.int32), [N_P2 // THREADS // 2, 2, THREADS])
-    k16 = tl.sum(tl.where(tl.arange(0, 2)[None, :, None] == 0, h3, h3 << 16), axis=1)
+    k16 = _pair_lanes((ukey >> 16).to(tl.int32), THREADS)  # lanes: sign, then key bits 30..16
     kth = tl.zeros([], tl.uint32)
     cnt = hi - lo
     b = tl.zeros([], tl.int32)
