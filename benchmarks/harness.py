@@ -132,18 +132,25 @@ def median_us(fn: Callable[[], object], quick: bool = False) -> float:
     )
 
 
-def graph_replay_us(make_call: Callable[[int], Callable[[], object]], n_variants: int, quick: bool = False) -> float:
-    """Median µs of replaying one CUDA graph per input variant, in rotation (as an engine replays
-    its decode graph): ``make_call(i)`` returns the call to capture for variant ``i``."""
+def capture_graphs(make_call: Callable[[int], Callable[[], object]], n_variants: int) -> list:
+    """One CUDA graph per input variant: ``make_call(i)`` returns the call to capture for variant
+    ``i`` (run once outside the capture first, to compile)."""
     graphs = []
     for i in range(n_variants):
         fn = make_call(i)
-        fn()  # warm up (compile) outside the capture
+        fn()
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
         graphs.append(g)
+    return graphs
+
+
+def graph_replay_us(make_call: Callable[[int], Callable[[], object]], n_variants: int, quick: bool = False) -> float:
+    """Median µs of replaying one CUDA graph per input variant, in rotation (as an engine replays
+    its decode graph): ``make_call(i)`` returns the call to capture for variant ``i``."""
+    graphs = capture_graphs(make_call, n_variants)
     state = {"i": 0}
 
     def replay():

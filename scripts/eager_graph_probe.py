@@ -48,12 +48,7 @@ def probe(s: harness.DecodeShape, text: str, n: int, flush: torch.Tensor) -> Non
 
     eager()
     torch.cuda.synchronize()
-    graphs = []
-    for i in range(n_sets):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            launch(problems[i], plan.table, config)
-        graphs.append(g)
+    graphs = harness.capture_graphs(lambda i: lambda: launch(problems[i], plan.table, config), n_sets)
 
     def replay():
         state["i"] += 1
