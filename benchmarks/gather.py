@@ -58,6 +58,22 @@ def _gather_max_kernel(
     tl.store(out_ptr + pid, tl.max(tl.max(x, axis=1), axis=0))
 
 
+def _flat_indices_and_out(indices: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flattened contiguous indices and the ``[ceil(n / 64)]`` int32 result (made, or ``out``
+    checked: ``ValueError`` unless contiguous int32 of that length on the indices' device)."""
+    idx = indices.reshape(-1).contiguous()
+    groups = triton.cdiv(idx.numel(), BLOCK_T)
+    if out is None:
+        out = torch.empty(groups, dtype=torch.int32, device=idx.device)
+    elif (
+        out.dtype != torch.int32 or tuple(out.shape) != (groups,) or not out.is_contiguous() or out.device != idx.device
+    ):
+        raise ValueError(
+            f"out: expected a contiguous int32 [{groups}] on {idx.device}, got {out.dtype} {list(out.shape)}"
+        )
+    return idx, out
+
+
 def gather_max(
     k_cache: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None, carveout: int = -1
 ) -> torch.Tensor:
@@ -83,15 +99,9 @@ def gather_max(
     rec = raw.shape[-1]
     if rec % 16 or raw.stride(1) % 16 or raw.stride(0) % 16 or raw.data_ptr() % 16:
         raise ValueError(f"k_cache: records of {rec} bytes at strides {tuple(raw.stride())}: expected multiples of 16")
-    idx = indices.reshape(-1).contiguous()
+    idx, out = _flat_indices_and_out(indices, out)
     n = idx.numel()
-    grid = (triton.cdiv(n, BLOCK_T),)
-    if out is None:
-        out = torch.empty(grid[0], dtype=torch.int32, device=idx.device)
-    elif out.dtype != torch.int32 or tuple(out.shape) != grid or not out.is_contiguous() or out.device != idx.device:
-        raise ValueError(
-            f"out: expected a contiguous int32 [{grid[0]}] on {idx.device}, got {out.dtype} {list(out.shape)}"
-        )
+    grid = (out.shape[0],)
     words = rec // 4
     launch(
         _gather_max_kernel, (grid[0], 1, 1), (raw, raw.stride(0), raw.stride(1), raw.shape[0] * raw.shape[1], idx, n, out),
@@ -109,6 +119,14 @@ LOADERS = gl.constexpr(4)  # loader warps: each issues 16 records' copies a grou
 
 
 @gluon.jit
+def _my_groups(n):
+    """``(program, programs, groups of 64 indices this program takes)``: groups ``pid, pid + g, ...``."""
+    pid = gl.program_id(0)
+    g = gl.num_programs(0)
+    return pid, g, gl.cdiv(gl.cdiv(n, 64) - pid, g)
+
+
+@gluon.jit
 def _tma_loader(
     nope_desc, tail_desc, nope, tail, ready, empty, idx_ptr, n, n_slots, PBS: gl.constexpr, PART: gl.constexpr
 ):
@@ -120,9 +138,7 @@ def _tma_loader(
     each after its index arrives)."""
     PER: gl.constexpr = 64 // LOADERS
     NS: gl.constexpr = ready.shape[0]
-    pid = gl.program_id(0)
-    g = gl.num_programs(0)
-    mine = gl.cdiv(gl.cdiv(n, 64) - pid, g)
+    pid, g, mine = _my_groups(n)
     for j in range(mine):
         stage = j % NS
         mbarrier.wait(empty.index(stage), ((j // NS) & 1) ^ 1)
@@ -149,9 +165,7 @@ def _tma_reader(nope, tail, ready, empty, idx_ptr, n, n_slots, out_ptr):
     nope_w = nope._reinterpret(gl.int32, [NS, 64, 128], PLAIN)
     tail_w = tail._reinterpret(gl.int32, [NS, 64, 64], PLAIN)
     LN: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-    pid = gl.program_id(0)
-    g = gl.num_programs(0)
-    mine = gl.cdiv(gl.cdiv(n, 64) - pid, g)
+    pid, g, mine = _my_groups(n)
     for j in range(mine):
         stage = j % NS
         mbarrier.wait(ready.index(stage), (j // NS) & 1)
@@ -252,17 +266,9 @@ def gather_max_tma(
         )
     nope_desc, tail_desc = descs or tma_descriptors(k_cache)
     raw = cache_bytes(k_cache)
-    idx = indices.reshape(-1).contiguous()
+    idx, out = _flat_indices_and_out(indices, out)
     n = idx.numel()
-    groups = triton.cdiv(n, BLOCK_T)
-    if out is None:
-        out = torch.empty(groups, dtype=torch.int32, device=idx.device)
-    elif (
-        out.dtype != torch.int32 or tuple(out.shape) != (groups,) or not out.is_contiguous() or out.device != idx.device
-    ):
-        raise ValueError(
-            f"out: expected a contiguous int32 [{groups}] on {idx.device}, got {out.dtype} {list(out.shape)}"
-        )
+    groups = out.shape[0]
     if groups == 0:
         return out
     programs = min(groups, programs or torch.cuda.get_device_properties(idx.device).multi_processor_count)
