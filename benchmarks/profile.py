@@ -4,12 +4,13 @@ each kernel's GPU time per call (torch.profiler: decode kernel vs combine kernel
     ncu --clock-control none -k regex:gluon --launch-skip 2 --launch-count 1 \\
         python3 -m benchmarks.profile --b 64 --h-q 128
     python3 -m benchmarks.profile --b 1 --s-q 1 --breakdown [--backend portable] [--profile-mode 1]
-        [--smem-carveout 0]
+        [--smem-carveout 0] [--hopper-config half_stages=1,raw_slots=2]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -20,6 +21,7 @@ from sparse_mla.plan import plan_decode
 from sparse_mla.problem import validate_sparse_decode
 
 from . import harness
+from .variants import parse_variant
 
 
 def main(argv=None) -> int:
@@ -38,13 +40,19 @@ def main(argv=None) -> int:
         help="HopperConfig.smem_carveout (percent hint before every launch; default 0: the most L1; -1: Triton's choice)",
     )
     ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument(
+        "--hopper-config", default="", help="more HopperConfig fields KEY=V,... (as in benchmarks.variants --variant)"
+    )
     ap.add_argument("--breakdown", action="store_true", help="per-kernel GPU time over 50 calls (torch.profiler)")
     a = ap.parse_args(argv)
     inp = harness.decode_inputs(harness.DecodeShape(a.b, a.h_q, a.s_q, a.topk, a.d_qk))
     problems = [validate_sparse_decode(q=inp.q, k_cache=inp.k_cache, indices=ix) for ix in inp.index_sets[:2]]
     plan = plan_decode(problems[0], backend=a.backend)
     hopper = plan.backend.name == "hopper"
-    config = HopperConfig(profile=a.profile_mode, smem_carveout=a.smem_carveout) if hopper else None
+    config = None
+    if hopper:
+        extra = parse_variant(f"cli=hopper:{a.hopper_config}")[2] if a.hopper_config else HopperConfig()
+        config = dataclasses.replace(extra, profile=a.profile_mode, smem_carveout=a.smem_carveout)
     launch = get_backend(plan.backend.name).launch
     print(f"backend {plan.backend.name}, {plan.table.num_sm_parts} partitions")
 
