@@ -129,9 +129,6 @@ def sweep_topk(quick: bool, rows: list, match: str | None = None) -> None:
     # two rows an SM: a 64-register cap (512 threads x 64 = half the register file; spills offline);
     # 72 still holds one row an SM: the spills' cost alone, for comparison
     configs += [dict(bisect=32768, bisect_maxnreg=m) for m in (64, 72)]
-    # the top 15 bits from the keys' top halves, the list from the row read again: with the cap, and
-    # alone (the second read's cost)
-    configs += [dict(bisect=32768, bisect_lowreg=True, bisect_maxnreg=64), dict(bisect=32768, bisect_lowreg=True)]
     configs += [dict(bisect=32768, profile=p) for p in (1, 2, 3)]
     configs += [dict(bisect=32768, bisect_vec_load=True, profile=p) for p in (1, 2)]
     configs += [

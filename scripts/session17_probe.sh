@@ -5,9 +5,8 @@
 #      (stops here if it fails: a wrong ring could hang), then `benchmarks.gather` with the loads
 #      (carveout -1 and 0) and the copies at 4 stages, then the copies at 2 stages beside the loads
 #      at -1 only, on the b=128 and b=64 16-head rows' index sets;
-#  (2) the top-k register path under a register cap (64: two rows an SM; 72: the spills alone),
-#      and with the top bits from the keys' top halves (`bisect_lowreg`, with and without the cap):
-#      the cap's GPU test, then those sweep configs beside the default.
+#  (2) the top-k register path under a register cap (64: two rows an SM; 72: the spills alone):
+#      its GPU test, then the sweep's `bisect_maxnreg` configs beside the default.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -24,5 +23,5 @@ if [ "${PIPESTATUS[0]}" != 0 ]; then echo "tests failed: no gather benchmark" | 
 fi
 echo "== top-k under a register cap: tests" | tee -a "$L"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_indexer.py -k register_cap -rf 2>&1 | tail -3 | tee -a "$L"
-timeout 140 python3 -m benchmarks.indexer_sweep --quick --only topk --match "bisect_maxnreg|bisect_lowreg" \
+timeout 140 python3 -m benchmarks.indexer_sweep --quick --only topk --match bisect_maxnreg \
     --json "$OUT/topk_maxnreg.json" 2>&1 | grep -v Warning | tee -a "$L"

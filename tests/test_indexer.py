@@ -500,11 +500,10 @@ def test_topk_kernel_configs_match_twin(n, k, cfg):
 
 @pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize(
-    "ordered, vec_load, pack16, lowreg",
-    [(True, False, True, False), (False, False, True, False), (True, False, False, False), (True, True, False, False),
-     (True, False, True, True), (False, False, True, True)],
+    "ordered, vec_load, pack16",
+    [(True, False, True), (False, False, True), (True, False, False), (True, True, False)],
 )  # fmt: skip
-def test_topk_register_path_every_phase(ordered, vec_load, pack16, lowreg):
+def test_topk_register_path_every_phase(ordered, vec_load, pack16):
     # the register path's phases (k 100: a candidate list of cap = 2 x 128 = 256): the top bits
     # until <= 256 keys are at or above them, the list, the rest of the bits on it, the select; a
     # range already within the cap (no top bits); 180 keys tied at the k-th (with the 60 above them
@@ -513,9 +512,7 @@ def test_topk_register_path_every_phase(ordered, vec_load, pack16, lowreg):
     # negative; NaN, +-inf and -0.0 around the k-th; exactly k keys at or above a prefix; and the
     # 16-byte row loads of the bisect_vec_load experiment; the top bits two keys a register
     # (pack16) or not, on rows whose k-th key lies among NaN / -inf, whose keys share their top 17
-    # bits (the packed bits find nothing), and of subnormals of both signs; and (lowreg) the top 15
-    # bits from the keys' top halves alone, the list gathered from the row read again in chunks,
-    # the rows past 15 bits (row 9) through the 32-bit row again; a negative k-th key with 31
+    # bits (the packed bits find nothing), and of subnormals of both signs; a negative k-th key with 31
     # positive keys above it (the lanes of keys whose top bit ranks above), 200 positive keys among
     # negative ones (the top bit alone decides: a list after one bit), exactly the cap (256) at or
     # above the k-th key
@@ -551,13 +548,7 @@ def test_topk_register_path_every_phase(ordered, vec_load, pack16, lowreg):
     x[13, 100:356] = 5.0  # 256 tied above the rest: exactly the cap
     out = torch.empty(14, k, dtype=torch.int32, device=DEVICE)
     args = (x.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE), out, k, k)
-    cfg = {
-        "bisect": 4096,
-        "bisect_cap": 2,
-        "bisect_vec_load": vec_load,
-        "bisect_pack16": pack16,
-        "bisect_lowreg": lowreg,
-    }
+    cfg = {"bisect": 4096, "bisect_cap": 2, "bisect_vec_load": vec_load, "bisect_pack16": pack16}
     launch_topk(*args, config=cfg, ordered=ordered)
     want = topk_indices_reference(x, k, lo, hi)
     assert torch.equal(out.cpu(), want) if ordered else same_index_sets(out, want)
@@ -588,7 +579,7 @@ def test_topk_without_ranges_matches_full_ranges(path):
      ({"bisect_warps": 3}, "bisect_warps"), ({"bisect_warps": 64}, "bisect_warps"), ({"bisect_warps": True}, "bisect_warps"),
      ({"bisect_pack16": 1}, "bisect_pack16"), ({"bisect_vec_load": "yes"}, "bisect_vec_load"),
      ({"bisect_maxnreg": 8}, "bisect_maxnreg"), ({"bisect_maxnreg": 256}, "bisect_maxnreg"),
-     ({"bisect_maxnreg": 64.0}, "bisect_maxnreg"), ({"bisect_lowreg": 1}, "bisect_lowreg")],
+     ({"bisect_maxnreg": 64.0}, "bisect_maxnreg")],
 )  # fmt: skip
 def test_topk_register_path_config_is_checked(cfg, key):
     # (found by a fresh-user attack: a list capacity of 3 x k or 3 warps left a list or a row that
@@ -1107,10 +1098,9 @@ def test_dequantize_indexer_cache_returns_the_stored_keys():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a register cap is a compiled-kernel setting (the interpreter has none)")
-@pytest.mark.parametrize("maxnreg, lowreg", [(64, False), (72, False), (64, True)])
-def test_topk_register_path_under_a_register_cap(maxnreg, lowreg):
-    # bisect_maxnreg (two rows an SM at 64, a spill-cost control at 72), with and without the top
-    # bits from the keys' top halves (bisect_lowreg): the same sets as the default, on
+@pytest.mark.parametrize("maxnreg", [64, 72])
+def test_topk_register_path_under_a_register_cap(maxnreg):
+    # bisect_maxnreg (two rows an SM at 64, a spill-cost control at 72): the same sets as the default, on
     # 32K-entry rows with ties at the k-th key, NaN and -inf, a row within the list's capacity,
     # exactly the list's capacity tied, one more than it, keys sharing their top 15 bits, and
     # positive keys among negative ones
@@ -1127,13 +1117,13 @@ def test_topk_register_path_under_a_register_cap(maxnreg, lowreg):
     hi = torch.full((rows,), n, dtype=torch.int64)
     lo[4], hi[4] = 7000, 9000  # within the cap: no top bits
     x[5, 1000:5096] = 5.0  # 4096 tied at the top: exactly the cap (2 x k)
-    x[6, 1000:5097] = 5.0  # 4097: past 15 bits, the 32-bit row again, then the select pass
+    x[6, 1000:5097] = 5.0  # 4097: one more than the cap, the select pass
     x[7] = -(1.0 + torch.randperm(n, generator=g).float() * 2.0**-23)  # one top 15 bits: past them, then a list
     x[8] = -torch.rand(n, generator=g) - 1.0
     x[8, ::32] = torch.rand(1024, generator=g)  # 1024 positive among negative keys
     x, lo, hi = x.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE)
     got = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
-    launch_topk(x, lo, hi, got, k, k, config={"bisect_maxnreg": maxnreg, "bisect_lowreg": lowreg}, ordered=False)
+    launch_topk(x, lo, hi, got, k, k, config={"bisect_maxnreg": maxnreg}, ordered=False)
     assert same_index_sets(got.cpu(), topk_indices_reference(x.cpu(), k, lo.cpu(), hi.cpu()))
     # the cap reached the compiler: the kernels compiled with it use at most that many registers
     from sparse_mla.indexer import kernels as K

@@ -997,47 +997,6 @@ def _column_slots(sel, THREADS: tl.constexpr, VEC: tl.constexpr = 1):
 
 
 @triton.jit
-def _lowreg_top_bits(row_ptr, lo, hi, kk, stop, N_P2: tl.constexpr, THREADS: tl.constexpr, ASM: tl.constexpr):
-    """The first 15 bits of the k-th best key (:func:`_bisect_down`, then :func:`_bisect_packed`),
-    from the row read once and kept only as its keys' top 16 bits, two a register (32 registers a
-    thread at 64 entries, where the 32-bit keys take 64: ``LOWREG``, two rows an SM). The lanes of
-    14 bits the packed bisection counts are made from them once the top bit is known (two lanes a
-    word: the sign bits decide each lane as :func:`_bisect_down16` does). Returns ``(kth, cnt, b)``."""
-    _pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=THREADS)
-    ukey = tl.where(valid, ukey, 0)
-    c_top = tl.sum((ukey >= tl.full([], 0x80000000, tl.uint32)).to(tl.int32))
-    k16 = _pair_lanes((ukey >> 16).to(tl.int32), THREADS)  # lanes: sign, then key bits 30..16
-    kth = tl.zeros([], tl.uint32)
-    cnt = hi - lo
-    b = tl.zeros([], tl.int32)
-    if cnt > stop:  # the top bit: the keys at or above 0x80000000
-        b = b + 1
-        if c_top >= kk:
-            kth = tl.full([], 0x80000000, tl.uint32)
-            cnt = c_top
-        if cnt > stop:  # bits 30..17 (lane bits 14..1) from the lanes' sign bits and the top bit
-            sign = (k16 >> 15) & 0x00010001
-            vals = (k16 >> 1) & 0x3FFF3FFF
-            above = (kth >> 31).to(tl.int32) == 0  # the k-th key's top bit is 0: negative lanes rank above
-            v = tl.where(above, (vals & ((sign ^ 0x00010001) * 0x3FFF)) | (sign * 0x3FFF), vals & (sign * 0x3FFF))
-            kth, cnt, b = _bisect_packed(v, kth, cnt, b, kk, stop, ASM)
-    return kth, cnt, b
-
-
-@triton.jit
-def _lowreg_list(row_ptr, lo, hi, kth, cand, N_P2: tl.constexpr, THREADS: tl.constexpr, CH: tl.constexpr):
-    """The keys at or above ``kth`` gathered into ``cand`` as rank keys, the row read again (from L2)
-    ``CH`` entries a thread at a time: per chunk a scan over its selections, after the chunks before
-    (the list in chunk order, the same on every call)."""
-    base = tl.zeros([], tl.int32)
-    for c in tl.static_range(N_P2 // (CH * THREADS)):
-        pos, valid, key, ukey = _row_chunk(row_ptr, c * CH * THREADS, lo, hi, CH * THREADS, SCALAR=THREADS)
-        sel = tl.where(valid, ukey, 0) >= tl.maximum(kth, 1)
-        tl.store(cand + base + _column_slots(sel, THREADS), _rank_keys(key, pos), mask=sel)
-        base += tl.sum(sel.to(tl.int32))
-
-
-@triton.jit
 def _finish_from_list(
     cand, cnt, kth, b, kk, scr, CAP: tl.constexpr, THREADS: tl.constexpr, TIE_BITS: tl.constexpr,
     N_P2: tl.constexpr, STOP: tl.constexpr,
@@ -1091,7 +1050,7 @@ def _topk_bisect_kernel(
     bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr,
     N_P2: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr, CAP: tl.constexpr, THREADS: tl.constexpr,
     TIE_BITS: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr, FOR_LOOP: tl.constexpr,
-    STOP: tl.constexpr = 0, VEC: tl.constexpr = 1, PACK16: tl.constexpr = False, LOWREG: tl.constexpr = False,
+    STOP: tl.constexpr = 0, VEC: tl.constexpr = 1, PACK16: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(rows,)``, rows of at most ``N_P2`` entries (``2^TIE_BITS``), ``THREADS`` threads a program: the row's
     keys read once into registers (entry ``i`` of thread ``t``: position ``i * THREADS + t``); the
@@ -1110,23 +1069,7 @@ def _topk_bisect_kernel(
     row_ptr = x_ptr + r.to(tl.int64) * stride_xr
     lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
     scr = scr_ptr + r.to(tl.int64) * stride_sr
-    if LOWREG:
-        if kk > 0:
-            # the top 15 bits from the keys' top halves, then the row again for the list (or, when
-            # more than CAP keys share those bits, for the rest of the bits and the list or the select)
-            tl.static_assert(STOP == 0 and VEC == 1, "LOWREG: no timing stops, 4-byte loads")
-            kth, cnt, b = _lowreg_top_bits(row_ptr, lo, hi, kk, CAP, N_P2, THREADS, FOR_LOOP)
-            if cnt <= CAP:
-                cand = cand_ptr + r.to(tl.int64) * stride_cr
-                _lowreg_list(row_ptr, lo, hi, kth, cand, N_P2, THREADS, 16)
-                _finish_from_list(cand, cnt, kth, b, kk, scr, CAP, THREADS, TIE_BITS, N_P2, STOP)
-            else:
-                pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=THREADS)
-                ukey = tl.where(valid, ukey, 0)
-                kth, cnt, b = _bisect_down(ukey, kth, cnt, b, kk, CAP)
-                _list_or_select(row_ptr, lo, hi, pos, ukey, kth, cnt, b, kk, (cand_ptr, r, stride_cr), scr, CAP, THREADS,
-                                TIE_BITS, N_P2, BLOCK, FOR_LOOP, STOP, VEC)  # fmt: skip
-    elif kk > 0:
+    if kk > 0:
         pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=THREADS if VEC == 1 else 0)
         ukey = tl.where(valid, ukey, 0)  # (0: out of range)
         # the top bits: cnt = valid keys >= kth (every key's is > 0, so kth 0 counts them all)
@@ -1155,11 +1098,7 @@ def _topk_bisect_kernel(
 #: loads, an experiment; ``bisect_pack16``: the top bits two keys a register, fp16 compares; off with
 #: ``bisect_vec_load`` or fewer than two entries a thread; ``bisect_maxnreg``: the register cap of
 #: that kernel, 0 = the compiler's choice: 128 at 16 warps, one program per SM; 64 lets two rows
-#: share an SM, with 920 B of spill stores a thread offline against 304 at 128, not yet timed;
-#: ``bisect_lowreg``: the top 15
-#: bits from the keys' top halves two a register and the list from the row read again in chunks
-#: (:func:`_lowreg_top_bits`, :func:`_lowreg_list`), for that cap: off where a thread holds fewer
-#: than 16 entries; not yet timed); longer rows
+#: share an SM, with 920 B of spill stores a thread offline against 304 at 128, on the H200 134.4 µs against 112.7 at 256 rows, session 17); longer rows
 #: take the radix select: ``bits`` per radix pass of the per-row kernel (a power of two up to
 #: 16), ``block`` row entries a step, ``num_warps``; ``compact`` (8-bit digits): the candidate list's
 #: capacity per row (0: one kernel does every pass over the row); ``programs_per_sm``: the row split
@@ -1172,7 +1111,7 @@ def _topk_bisect_kernel(
 #: 4-bit levels 246; one kernel (compact 0) 289 (radix passes 198, select 52, sort 37).
 TOPK_CONFIG = dict(
     bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=4, hist_bits=8, split_block=2048, final_warps=8,
-    bisect=32768, bisect_warps=16, bisect_cap=2, bisect_pack16=True, bisect_maxnreg=0, bisect_lowreg=False,
+    bisect=32768, bisect_warps=16, bisect_cap=2, bisect_pack16=True, bisect_maxnreg=0,
 )  # fmt: skip
 _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 
@@ -1197,7 +1136,7 @@ def _topk_config(config) -> dict:
         raise ValueError(f"config: unknown key(s) {unknown}; known: {sorted({*TOPK_CONFIG, *extra})}")
     cfg = {**TOPK_CONFIG, **extra, **(config or {})}
     for key, v in cfg.items():
-        want_bool = key in ("bisect_pack16", "bisect_vec_load", "bisect_lowreg")
+        want_bool = key in ("bisect_pack16", "bisect_vec_load")
         if isinstance(v, bool) != want_bool or not isinstance(v, int):
             raise ValueError(f"config: {key} must be {'a bool' if want_bool else 'an int'}, got {v!r}")
     for key, (lo, hi) in _POW2.items():
@@ -1273,7 +1212,7 @@ def launch_topk(
         _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
         _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel, _bisect_down, _column_slots, _rank_keys,
         _scalar_positions, _bisect_down16, _f16x2_ge, _f16x2_add, _f16x2_lanes, _pair_lanes, _bisect_packed,
-        _lowreg_top_bits, _lowreg_list, _finish_from_list, _list_or_select,
+        _finish_from_list, _list_or_select,
     )  # fmt: skip
     rows, n = logits.shape
     if rows == 0:
@@ -1302,7 +1241,6 @@ def launch_topk(
             cand, cand.stride(0),
             N_P2=n_p2, BLOCK=block, K_P2=k_p2, CAP=cap, THREADS=32 * warps, TIE_BITS=n_p2.bit_length() - 1, SLOTS=slots, SORTED=bool(ordered),
             FOR_LOOP=for_loop, STOP=cfg["profile"], VEC=vec, PACK16=cfg["bisect_pack16"] and vec == 1 and n_p2 >= 64 * warps,
-            LOWREG=cfg["bisect_lowreg"] and vec == 1 and cfg["profile"] == 0 and n_p2 % (16 * 32 * warps) == 0,
             num_warps=warps, **({"maxnreg": cfg["bisect_maxnreg"]} if cfg["bisect_maxnreg"] and not interpreting() else {}),
         )  # fmt: skip
         return
