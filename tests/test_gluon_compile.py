@@ -72,6 +72,22 @@ def test_split_consumers_compile(tmp_path):
     assert re.search(r"TRY_ALLOC\.CTAPOOL 160 regs\s+\{[^}]*'HGMMA': 4\b", report), report
 
 
+def test_decode_signals_its_dependent_after_its_stores(tmp_path):
+    # programmatic dependent launch (the combine waits with griddepcontrol.wait): the decode
+    # signals once, at the end of its default partition (SASS PREEXIT just before its EXIT)
+    run_check(tmp_path=tmp_path)
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
+
+
+def test_pdl_only_on_cuda():
+    import torch
+
+    from sparse_mla.runtime import pdl_enabled
+
+    assert pdl_enabled(torch.device("cpu")) is False
+
+
 def test_hopper_config_rejects_bad_register_counts():
     from sparse_mla.decode.hopper import HopperConfig
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import cuda_num_sms, interpreting, require_runnable
+from ..runtime import cuda_num_sms, interpreting, pdl_enabled, require_runnable
 from .launcher import launch as launch_kernel
 
 
@@ -70,6 +70,7 @@ def _combine_kernel(
     BLOCK_S: tl.constexpr,
     HAS_SINK: tl.constexpr,
     FOR_LOOP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: one (batch, query token), BLOCK_H heads, BLOCK_D output columns.
 
@@ -83,6 +84,8 @@ def _combine_kernel(
     db = tl.program_id(2)
     start = tl.load(nsplit_ptr + req)
     n = tl.load(nsplit_ptr + req + 1) - start
+    if PDL:  # a programmatic dependent of the decode: its partials are read only after it completed
+        tl.extra.cuda.gdc_wait()
     if n > 1:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < h_q
@@ -205,6 +208,7 @@ def combine_fwd(
     blocks: tuple[int, int] | None = None,
     max_pieces: int | None = None,
     splits_per_step: int | None = None,
+    pdl: bool = False,
 ) -> None:
     """Merge split partial results into ``out``/``lse`` in place (twin: ``reference.combine_reference``).
 
@@ -227,6 +231,10 @@ def combine_fwd(
         max_pieces: the most rows of one batch (a hint for how many splits a program reads at
             once; any number of rows is merged correctly whatever it is).
         splits_per_step: force the splits merged per step (a power of two; tests and tuning).
+        pdl: launch as the programmatic dependent of the kernel before it on the stream (which
+            must write the partials; the Hopper decode, which signals after its stores): the
+            programs wait for it to complete before reading anything it wrote. Only where
+            :func:`sparse_mla.runtime.pdl_enabled` holds (sm_90+, not the interpreter).
     """
     b, s_q, h_q, d_v = out.shape
     if not out.is_cuda and not interpreting():
@@ -273,7 +281,13 @@ def combine_fwd(
         h_q,
         s_q,
     )
+    pdl = bool(pdl) and pdl_enabled(out.device)
     consts = dict(
-        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_S=block_s, HAS_SINK=attn_sink is not None, FOR_LOOP=not interpreting()
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_S=block_s,
+        HAS_SINK=attn_sink is not None,
+        FOR_LOOP=not interpreting(),
+        PDL=pdl,
     )
-    launch_kernel(_combine_kernel, grid, args, consts, {"num_warps": 4})
+    launch_kernel(_combine_kernel, grid, args, consts, {"num_warps": 4, "launch_pdl": pdl})

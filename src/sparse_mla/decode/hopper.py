@@ -1294,6 +1294,12 @@ def _sparse_decode_gluon_kernel(
             [PRODUCER_WARPS, PRODUCER_WARPS],
             [PRODUCER_REGS, PRODUCER_REGS],
         )
+    # (the default partition, after its last store) the combine, launched as this grid's
+    # programmatic dependent, may be scheduled once every CTA got here; it still waits for the
+    # whole grid to complete before it reads the partials (griddepcontrol.wait)
+    gl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
 
 
 # --------------------------------------------------------------------------------------------- launcher
@@ -1456,5 +1462,5 @@ def launch(
     # the carveout hint, set before the first launch too (a graph captured at the first call keeps it)
     launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options, carveout_hint(config.smem_carveout))
     if table.any_split:
-        combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)
+        combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces, pdl=True)
     return out, lse
