@@ -80,6 +80,15 @@ def test_decode_signals_its_dependent_after_its_stores(tmp_path):
     assert ptx.count("griddepcontrol.launch_dependents") == 1
 
 
+def test_l2_store_probe_compiles(tmp_path):
+    # PROFILE_L2_STORE: 32 rows x 576 bf16 a block = 18 16-byte stores a producer thread (16 NoPE, 2
+    # RoPE), only in that mode
+    run_check("--profile", "4", tmp_path=tmp_path)
+    assert (tmp_path / "k.sass").read_text().count("STG.E.128") == 18
+    run_check(tmp_path=tmp_path)
+    assert (tmp_path / "k.sass").read_text().count("STG.E.128") == 0
+
+
 def test_pdl_only_on_cuda():
     import torch
 

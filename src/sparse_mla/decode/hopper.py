@@ -99,6 +99,7 @@ __all__ = [
     "PROFILE_PRODUCER_ONLY",
     "PROFILE_CONSUMER_ONLY",
     "PROFILE_CACHED_TOKEN",
+    "PROFILE_L2_STORE",
 ]
 
 # Gluon names that changed after Triton 3.6 (the device's version): the CTA barrier
@@ -115,11 +116,15 @@ NUM_STAGES = gl.constexpr(2)
 CONSUMER_WARPS = 4  # the default partition: one warpgroup (_consumer_qk, or _consumer_narrow)
 
 # profiling modes (HopperConfig.profile; set only by scripts/profile_gluon.py and the benchmarks'
-# variant runner): outputs are garbage in every mode but OFF
+# variant runner): outputs are garbage in every mode but OFF and L2_STORE
 PROFILE_OFF = 0
 PROFILE_PRODUCER_ONLY = 1  # the consumer skips its work: the producer's time alone
 PROFILE_CONSUMER_ONLY = 2  # the producer skips gathers and conversion: the consumer's time alone
 PROFILE_CACHED_TOKEN = 3  # the producer gathers one cache-resident token for every row (no HBM latency)
+# the producer also stores the first 32 rows of every converted 64-token tile to a global scratch (36 KB a
+# block: the stores a head pair exchanging half-tiles through L2 would add; outputs are right, the
+# scratch is the launch's own)
+PROFILE_L2_STORE = 4
 
 
 @dataclass(frozen=True)
@@ -217,8 +222,9 @@ class HopperConfig:
                 "HopperConfig: the 16-head consumer would get (4 + 2 w) * narrow16_maxnreg / 4 - 2 w * "
                 f"narrow16_producer_regs / 4 = {left} registers, expected 24 to 256"
             )
-        if self.profile not in (PROFILE_OFF, PROFILE_PRODUCER_ONLY, PROFILE_CONSUMER_ONLY, PROFILE_CACHED_TOKEN):
-            raise ValueError(f"HopperConfig.profile: expected one of the PROFILE_* modes 0-3, got {self.profile!r}")
+        modes = (PROFILE_OFF, PROFILE_PRODUCER_ONLY, PROFILE_CONSUMER_ONLY, PROFILE_CACHED_TOKEN, PROFILE_L2_STORE)
+        if self.profile not in modes:
+            raise ValueError(f"HopperConfig.profile: expected one of the PROFILE_* modes 0-4, got {self.profile!r}")
 
 
 # producer register layouts: 8 token rows x 4 threads per warp, 16 bytes per thread. With 4 rows x 8
@@ -363,8 +369,35 @@ def _gather_block(
 
 
 @gluon.jit
-def _stage_block(raw, sc, rope, vmask, ring, stage, phase, IS_V32: gl.constexpr, P_WARPS: gl.constexpr):
-    """Wait for a free ``stage``, dequantise a gathered block into it, and signal ``ready``."""
+def _l2_store_probe(kv, rope, scratch, IS_V32: gl.constexpr, P_WARPS: gl.constexpr):
+    """:data:`PROFILE_L2_STORE`: rows 0-31 of a converted ``[64, NT, TW]`` tile (and V32's RoPE
+    rows) to this CTA's ``[64, 576]`` bf16 region of ``scratch`` (16-byte stores)."""
+    NT: gl.constexpr = kv.shape[1]
+    TW: gl.constexpr = kv.shape[2]
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [TPW_ROWS, 1, 32 // TPW_ROWS], [P_WARPS, 1, 1], [2, 1, 0])
+    cta = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+    base = scratch.to(gl.pointer_type(gl.bfloat16)) + cta.to(gl.int64) * (64 * 576)
+    r = gl.arange(0, kv.shape[0], layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    t = gl.arange(0, NT, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    c = gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    r3 = gl.expand_dims(gl.expand_dims(r, 1), 2)
+    t3 = gl.expand_dims(gl.expand_dims(t, 0), 2)
+    c3 = gl.expand_dims(gl.expand_dims(c, 0), 1)
+    gl.store(base + r3 * 576 + t3 * TW + c3, kv, mask=(r3 < 32) & (t3 >= 0) & (c3 >= 0))
+    if IS_V32:
+        LDR: gl.constexpr = gl.BlockedLayout([1, 8], [TPW_ROWS, 32 // TPW_ROWS], [P_WARPS, 1], [1, 0])
+        rr = gl.expand_dims(gl.arange(0, rope.shape[0], layout=gl.SliceLayout(1, LDR)), 1)
+        cc = gl.expand_dims(gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, LDR)), 0)
+        gl.store(base + rr * 576 + D_NOPE + cc, rope, mask=(rr < 32) & (cc >= 0))
+
+
+@gluon.jit
+def _stage_block(
+    raw, sc, rope, vmask, ring, stage, phase, IS_V32: gl.constexpr, P_WARPS: gl.constexpr, scratch=None,
+    L2_STORE: gl.constexpr = False,
+):  # fmt: skip
+    """Wait for a free ``stage``, dequantise a gathered block into it, and signal ``ready``
+    (``L2_STORE``: :data:`PROFILE_L2_STORE`, rows 0-31 of the converted tile to ``scratch`` too)."""
     k_smem, kr_smem, mask_smem, ready_bars, empty_bars = ring
     NT: gl.constexpr = 4 if IS_V32 else 8
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [TPW_ROWS, 1, 32 // TPW_ROWS], [P_WARPS, 1, 1], [2, 1, 0])
@@ -376,6 +409,8 @@ def _stage_block(raw, sc, rope, vmask, ring, stage, phase, IS_V32: gl.constexpr,
     # store for the whole tile (separate column-slice stores each cost a barrier). (The product
     # taken in bf16x2, 11 % fewer producer instructions, measured no faster: docs/perf-log.md)
     kv = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(sc, 2)).to(gl.bfloat16)
+    if L2_STORE:
+        _l2_store_probe(kv, rope, scratch, IS_V32, P_WARPS)
     if IS_V32:
         k_smem.index(stage).store(gl.reshape(kv, [kv.shape[0], D_NOPE]))
         kr_smem.index(stage).store(rope)
@@ -474,6 +509,7 @@ def _producer(
     xsel,
     sched,
     ring,
+    scratch,
     KV_BF16: gl.constexpr,
     IS_V32: gl.constexpr,
     HAS_TOPK_LEN: gl.constexpr,
@@ -554,7 +590,7 @@ def _producer(
                             idx8, c_ptr, c_sblk, c_ntok, c_pbs, stride_tok, IS_V32, PBS_SHIFT, PBS_LOG2, ALIGN, PROFILE,
                             P_WARPS,
                         )  # fmt: skip
-                        _stage_block(raw, sc, rope, vmask, ring, stage, phase, IS_V32, P_WARPS)
+                        _stage_block(raw, sc, rope, vmask, ring, stage, phase, IS_V32, P_WARPS, scratch, PROFILE == 4)
             else:  # two 32-token halves a block, ring stages 2 it and 2 it + 1
                 stage_a = (2 * it) % NS
                 phase_a = ((2 * it) // NS) & 1
@@ -1201,6 +1237,7 @@ def _sparse_decode_gluon_kernel(
                         (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
                         sched,
                         ring,
+                        ml_ptr,
                         KV_BF16,
                         IS_V32,
                         HAS_TOPK_LEN,
@@ -1255,6 +1292,7 @@ def _sparse_decode_gluon_kernel(
                         (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
                         sched,
                         ring,
+                        ml_ptr,
                         KV_BF16,
                         IS_V32,
                         HAS_TOPK_LEN,
@@ -1277,6 +1315,7 @@ def _sparse_decode_gluon_kernel(
                         (xidx_ptr, x_stride_ib, x_stride_is, x_stride_it, x_topk, x_len_ptr),
                         sched,
                         ring,
+                        ml_ptr,
                         KV_BF16,
                         IS_V32,
                         HAS_TOPK_LEN,
@@ -1370,6 +1409,10 @@ def launch(
         ml = (max_logits, max_logits.stride(0), max_logits.stride(1))
     else:
         ml = (l_acc, 0, 0)  # never written
+    if config.profile == PROFILE_L2_STORE:  # the probe's scratch: 64 x 576 bf16 per CTA, in the unused slot
+        assert max_logits is None, "PROFILE_L2_STORE: decode calls only"
+        ctas = table.num_sm_parts * s_q * -(-h_q // BLOCK_H)
+        ml = (torch.empty(ctas * 64 * 576, dtype=torch.bfloat16, device=dev), 0, 0)
     kv_bf16 = p.k_cache.dtype == torch.bfloat16
     if kv_bf16:  # rows [s_kv, 1, d_qk]: (pointer, row stride, -, s_kv, -)
         assert p.extra_k_cache is None, "bf16 rows: no extra cache"
