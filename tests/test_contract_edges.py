@@ -100,6 +100,31 @@ def test_length_and_sink_views(kind, entry, num_sms):
 
 
 @needs_kernels
+def test_combine_empty_split_rows_holding_nan():
+    # a split with no valid key (lse -inf) adds nothing whatever its partial row holds (NaN, inf);
+    # a NaN lse makes its request's output NaN. The reference and the kernel agree on both
+    from sparse_mla.decode.combine import combine_fwd
+
+    g = torch.Generator().manual_seed(9)
+    s_q, h_q, d_v = 1, 4, 512
+    num_splits = torch.tensor([0, 3, 5, 7], dtype=torch.int32)
+    o_acc = torch.randn(7, s_q, h_q, d_v, generator=g)
+    l_acc = torch.randn(7, s_q, h_q, generator=g)
+    l_acc[1], o_acc[1] = float("-inf"), float("nan")  # request 0: an empty split among two
+    l_acc[3:5], o_acc[3], o_acc[4] = float("-inf"), float("nan"), float("inf")  # request 1: both empty
+    l_acc[6, 0, 2] = float("nan")  # request 2: one head's lse NaN
+    ro, rl = torch.zeros(3, s_q, h_q, d_v), torch.zeros(3, h_q, s_q)
+    combine_reference(o_acc, l_acc, num_splits, ro, rl)
+    assert torch.isfinite(ro[:2]).all() and (ro[1] == 0).all() and torch.isposinf(rl[1]).all()
+    assert torch.isnan(ro[2, 0, 2]).all() and torch.isfinite(ro[2, 0, [0, 1, 3]]).all()
+    out = torch.zeros(3, s_q, h_q, d_v, device=DEVICE)
+    lse = torch.zeros(3, h_q, s_q, device=DEVICE)
+    combine_fwd(o_acc.to(DEVICE), l_acc.to(DEVICE), num_splits.to(DEVICE), out, lse)
+    torch.testing.assert_close(out.cpu(), ro, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(lse.cpu(), rl, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+@needs_kernels
 @pytest.mark.parametrize("kind", ["strided", "offset"])
 def test_combine_views(kind):
     from sparse_mla.decode.combine import combine_fwd

@@ -185,7 +185,11 @@ def combine_reference(
         l2 = lse_accum[a:e].float()  # [n, s_q, h]
         w, tot = combine_weights(l2.permute(1, 2, 0))  # [s_q, h, n], [s_q, h]
         m = l2.max(dim=0).values
-        o = torch.einsum("shn,nshd->shd", w, o_accum[a:e].float()) / tot.unsqueeze(-1)
+        # a split whose weight is 0 (no valid key: lse -inf) adds nothing, whatever its row holds
+        # (NaN included), as in the kernel; a NaN lse still makes the sum NaN
+        wn = w.permute(2, 0, 1).unsqueeze(-1)  # [n, s_q, h, 1]
+        oa = o_accum[a:e].float()
+        o = torch.where(wn > 0, wn * oa, torch.zeros_like(oa)).sum(dim=0) / tot.unsqueeze(-1)
         lse_nat = (torch.log2(tot) + m) / LOG2E
         lonely = torch.isneginf(m)
         lse_nat = torch.where(lonely, torch.full_like(lse_nat, float("inf")), lse_nat)
