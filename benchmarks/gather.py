@@ -111,6 +111,10 @@ def gather_max(
     return out
 
 
+# Gluon's shared-memory reinterpret is ``_reinterpret`` in Triton 3.6, ``reinterpret`` in 3.9
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+# and the CTA barrier ``thread_barrier`` in 3.6, ``barrier`` in 3.9
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # the tensor-memory copy into shared memory (``async_load`` in newer Gluon)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 REC_ROWS = gl.constexpr(41)  # 16-byte rows of a 656-byte V32 record
@@ -162,8 +166,12 @@ def _tma_reader(nope, tail, ready, empty, idx_ptr, n, n_slots, out_ptr):
     stage goes back to the loader."""
     NS: gl.constexpr = ready.shape[0]
     PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    nope_w = nope._reinterpret(gl.int32, [NS, 64, 128], PLAIN)
-    tail_w = tail._reinterpret(gl.int32, [NS, 64, 64], PLAIN)
+    if _PUBLIC_REINTERPRET:
+        nope_w = nope.reinterpret(gl.int32, [NS, 64, 128], PLAIN)
+        tail_w = tail.reinterpret(gl.int32, [NS, 64, 64], PLAIN)
+    else:
+        nope_w = nope._reinterpret(gl.int32, [NS, 64, 128], PLAIN)
+        tail_w = tail._reinterpret(gl.int32, [NS, 64, 64], PLAIN)
     LN: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
     pid, g, mine = _my_groups(n)
     for j in range(mine):
@@ -179,7 +187,7 @@ def _tma_reader(nope, tail, ready, empty, idx_ptr, n, n_slots, out_ptr):
         wt = tail_w.index(stage).load(LN)
         mt = gl.max(gl.max(gl.where(ok & (col < REC_ROWS * 4 - 128), wt, -2147483648), axis=1), axis=0)
         gl.store(out_ptr + grp, gl.maximum(m, mt))
-        gl.thread_barrier()  # every reader's loads of the stage before it is released
+        _cta_barrier()  # every reader's loads of the stage before it is released
         mbarrier.arrive(empty.index(stage), count=1)
 
 

@@ -150,3 +150,12 @@ def test_not_initialised_raises():
             torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16), torch.zeros(1, 16, 1, 656, dtype=torch.uint8),
             torch.zeros(1, 1, 8, dtype=torch.int32), [0, 16],
         )  # fmt: skip
+
+
+def test_merge_of_no_parts_is_refused():
+    from sparse_mla.distributed import merge_attention_states
+    from sparse_mla.distributed.merge import merge_attention_states_reference
+
+    for fn in (merge_attention_states, merge_attention_states_reference):
+        with pytest.raises(ValueError, match=r"R >= 1"):
+            fn(torch.zeros(0, 4, 8), torch.zeros(0, 4))

@@ -33,6 +33,8 @@ def _check(outs: torch.Tensor, lses: torch.Tensor) -> None:
         )
     if outs.device != lses.device:
         raise ValueError(f"lses: expected a tensor on {outs.device} (where outs is), got {lses.device}")
+    if outs.shape[0] == 0:
+        raise ValueError("outs, lses: expected at least one part (R >= 1), got R = 0")
 
 
 def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +48,7 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torc
         ``(out [*batch, d] fp32, lse [*batch] fp32)``: out 0 and lse +inf where no part had a key.
 
     Raises:
-        TypeError / ValueError: wrong dtypes, shapes or devices.
+        TypeError / ValueError: wrong dtypes, shapes or devices; no parts (R = 0).
     """
     _check(outs, lses)
     empty = torch.isinf(lses)  # +inf (lonely) or -inf: no key in this part
