@@ -861,7 +861,7 @@ def _bad_calls():
     meta = flash_mla.get_paged_mqa_logits_metadata(ctx, 16, 132)
     paged = flash_mla.fp8_paged_mqa_logits
     yield (
-        "kv_cache: last dim must be 128 \\+ 4",
+        "kv_cache: last dim must be 128 \\+ 4 \\(q.s head_dim\\)",
         ValueError,
         paged,
         (qp, torch.zeros(4, 16, 1, 68, dtype=torch.uint8), torch.ones(4, 4), ctx, bt, meta, 32),

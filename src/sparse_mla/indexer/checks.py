@@ -34,7 +34,9 @@ def check_tensor_arg(x: Any, name: str, dtypes: tuple, dim: int, device: torch.d
     return x
 
 
-def check_index_cache(kv_cache: Any, head_dim: int | None = None, name: str = "kv_cache") -> int:
+def check_index_cache(
+    kv_cache: Any, head_dim: int | None = None, name: str = "kv_cache", head_dim_from: str = "q"
+) -> int:
     """Check an indexer key cache ``[num_blocks, block_size, 1, head_dim + 4]`` uint8 (block-major:
     a block's ``block_size * head_dim`` e4m3 bytes, then its ``block_size`` fp32 scales); returns
     ``head_dim``. The block stride may exceed ``block_size * (head_dim + 4)`` (a pool view) but must
@@ -49,7 +51,11 @@ def check_index_cache(kv_cache: Any, head_dim: int | None = None, name: str = "k
             f"{name}: expected shape [num_blocks, block_size, 1, head_dim + 4], got {list(kv_cache.shape)}"
         )
     if d not in HEAD_DIMS or (head_dim is not None and d != head_dim):
-        want = f"{head_dim} + 4" if head_dim is not None else f"head_dim + 4 with head_dim in {HEAD_DIMS}"
+        want = (
+            f"{head_dim} + 4 ({head_dim_from}'s head_dim)"
+            if head_dim is not None
+            else f"head_dim + 4 with head_dim in {HEAD_DIMS}"
+        )
         raise ValueError(f"{name}: last dim must be {want}, got {last}")
     if bs < 1 or nb < 1:
         raise ValueError(f"{name}: needs at least one block of at least one token, got {list(kv_cache.shape)}")
