@@ -30,6 +30,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from sparse_mla.decode.hopper import _cta_barrier  # the CTA barrier of the installed Gluon
 from sparse_mla.decode.launcher import carveout_hint, launch
 from sparse_mla.formats import cache_bytes
 
@@ -113,8 +114,6 @@ def gather_max(
 
 # Gluon's shared-memory reinterpret is ``_reinterpret`` in Triton 3.6, ``reinterpret`` in 3.9
 _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
-# and the CTA barrier ``thread_barrier`` in 3.6, ``barrier`` in 3.9
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # the tensor-memory copy into shared memory (``async_load`` in newer Gluon)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 REC_ROWS = gl.constexpr(41)  # 16-byte rows of a 656-byte V32 record

@@ -1409,10 +1409,6 @@ def launch(
         ml = (max_logits, max_logits.stride(0), max_logits.stride(1))
     else:
         ml = (l_acc, 0, 0)  # never written
-    if config.profile == PROFILE_L2_STORE:  # the probe's scratch: 64 x 576 bf16 per CTA, in the unused slot
-        assert max_logits is None, "PROFILE_L2_STORE: decode calls only"
-        ctas = table.num_sm_parts * s_q * -(-h_q // BLOCK_H)
-        ml = (torch.empty(ctas * 64 * 576, dtype=torch.bfloat16, device=dev), 0, 0)
     kv_bf16 = p.k_cache.dtype == torch.bfloat16
     if kv_bf16:  # rows [s_kv, 1, d_qk]: (pointer, row stride, -, s_kv, -)
         assert p.extra_k_cache is None, "bf16 rows: no extra cache"
@@ -1442,6 +1438,9 @@ def launch(
         pw = config.narrow_producer_warps if narrow else config.producer_warps
         preg, maxnreg = config.producer_regs, config.maxnreg
     grid = (table.num_sm_parts, s_q, -(-h_q // heads))
+    if config.profile == PROFILE_L2_STORE:  # the probe's scratch: 64 x 576 bf16 per CTA, in the unused slot
+        assert max_logits is None, "PROFILE_L2_STORE: decode calls only"
+        ml = (torch.empty(grid[0] * grid[1] * grid[2] * 64 * 576, dtype=torch.bfloat16, device=dev), 0, 0)
     args = (
         q,
         q.stride(0),
