@@ -6,6 +6,7 @@ over the limit; these tests also check the producer's copies and the consumers' 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -188,3 +189,34 @@ def test_narrow_tiles_leave_l1_under_the_196_kb_carveout(args, tmp_path):
     # V3.2 b=128 193.8 -> 152.1 us against 28 KB; the 64-head producer alone 184 -> 152 us)
     report = run_check(*args, tmp_path=tmp_path)
     assert int(re.search(r"shared=(\d+) B", report).group(1)) + 1024 <= 196 * 1024
+
+
+_COMPILE_WGMMA_PROBE = r"""
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from benchmarks import wgmma_probe as w
+sig = {"out_ptr": "*fp32", "clk_ptr": "*i64", "iters": "i32", "N": "constexpr", "MODE": "constexpr", "WG": "constexpr"}
+got = {}
+for mode, n, wg in ((0, 8, 1), (1, 32, 2), (2, 16, 1), (0, 256, 2)):
+    src = GluonASTSource(fn=w._wgmma_loop_kernel, signature=sig, constexprs={(3,): n, (4,): mode, (5,): wg})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4 * wg))
+    ptx = k.asm["ptx"]
+    got[f"{mode}-{n}-{wg}"] = [len(re.findall(r"wgmma\.mma_async", ptx)), len(re.findall(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*\{", ptx)),
+                               "%clock64" in ptx]
+print(json.dumps(got))
+"""
+
+
+def test_wgmma_probe_compiles():
+    # benchmarks.wgmma_probe (the tensor core's rate from shared memory by N): four m64nNk16 a loop
+    # step in every mode; the rs mode takes A from registers (its wgmma's A operand is a register
+    # list), the others from shared memory; the loop is timed by clock64
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), ROOT, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _COMPILE_WGMMA_PROBE], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for key, (n_mma, n_reg_a, clock) in got.items():
+        assert n_mma == 4 and clock, (key, got)
+        assert (n_reg_a == 4) == key.startswith("2-"), (key, got)
