@@ -741,6 +741,14 @@ def test_topk_kvcache_indices_match_twin_at_the_table_edges(pbs, next_n, k):
     assert got.shape == (b, next_n, k) and got.dtype == torch.int32
     assert torch.equal(got.cpu(), want)
     assert (want == -1).any() and (want >= 0).any()
+    # unsorted: the slots of the unsorted positions, in their order (the list path writes them
+    # straight into the output row)
+    got_u = flash_mla.topk_kvcache_indices(
+        logits.to(DEVICE), k, table.to(DEVICE), pbs, next_n, row_ends=ends.to(DEVICE), sorted=False
+    )
+    pos_u = flash_mla.topk_indices(logits.to(DEVICE), k, row_ends=ends.to(DEVICE), sorted=False).cpu()
+    assert torch.equal(got_u.cpu(), abs_indices_to_kvcache_indices(pos_u.view(b, next_n, k), table, pbs))
+    assert torch.equal(got_u.cpu().sort(-1).values, want.sort(-1).values)
     # int64 entries whose product with the page size overflows int64 (2^62 * 64 wraps to 0): no slot
     big = table.long()
     big[2, :] = 2**62

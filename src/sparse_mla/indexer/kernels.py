@@ -998,12 +998,15 @@ def _column_slots(sel, THREADS: tl.constexpr, VEC: tl.constexpr = 1):
 
 @triton.jit
 def _finish_from_list(
-    cand, cnt, kth, b, kk, scr, CAP: tl.constexpr, THREADS: tl.constexpr, TIE_BITS: tl.constexpr,
-    N_P2: tl.constexpr, STOP: tl.constexpr,
+    cand, cnt, kth, b, kk, scr, emit, CAP: tl.constexpr, THREADS: tl.constexpr, TIE_BITS: tl.constexpr,
+    N_P2: tl.constexpr, STOP: tl.constexpr, DIRECT: tl.constexpr, SLOTS: tl.constexpr, K_P2: tl.constexpr,
 ):  # fmt: skip
     """On the list of the ``cnt`` keys at or above ``kth`` (``b`` bits found): the remaining bits,
     the tie cut (the lowest positions among keys equal to the k-th) and the selected keys into the
-    scratch (:func:`_topk_bisect_kernel`)."""
+    scratch (:func:`_topk_bisect_kernel`), or (``DIRECT``: the unsorted output, in the same slots
+    :func:`_emit_topk` would copy them to) their positions or (``SLOTS``) cache slots straight into
+    the output row, ``emit = (out_row, k, table_row, n_log, pbs)``, with ``-1`` in its columns
+    ``kk .. min(k, K_P2) - 1``: no scratch stores and loads between the list and the output."""
     tl.debug_barrier()  # every thread's candidates before any thread's loads
     if STOP != 2:
         c_pos, c_valid, c_key, c_ukey = _cand_chunk(cand, 0, cnt, CAP, SCALAR=THREADS)  # (as the row's)
@@ -1020,28 +1023,43 @@ def _finish_from_list(
             cut, _c, _b = _bisect_down(tie, cut, cnt - n_gt, b, kk - n_gt, kk - n_gt)
         take = (c_ukey > kth) | (eq & (tie >= cut))
         if STOP == 0:
-            tl.store(scr + _column_slots(take, THREADS), _rank_keys(c_key, c_pos), mask=take)
+            slots = _column_slots(take, THREADS)
+            if DIRECT:
+                out_row, k, bt_row, n_log, pbs = emit
+                res = c_pos.to(tl.int64)
+                if SLOTS:
+                    res = table_slots(res, bt_row, 1, n_log, pbs, take)
+                tl.store(out_row + slots, res.to(tl.int32), mask=take)
+                rank = tl.arange(0, K_P2)
+                tl.store(out_row + rank, tl.full([K_P2], -1, tl.int32), mask=(rank >= kk) & (rank < k))
+            else:
+                tl.store(scr + slots, _rank_keys(c_key, c_pos), mask=take)
 
 
 @triton.jit
 def _list_or_select(
-    row_ptr, lo, hi, pos, ukey, kth, cnt, b, kk, cand_row, scr, CAP: tl.constexpr, THREADS: tl.constexpr,
+    row_ptr, lo, hi, pos, ukey, kth, cnt, b, kk, cand_row, scr, emit, CAP: tl.constexpr, THREADS: tl.constexpr,
     TIE_BITS: tl.constexpr, N_P2: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr, STOP: tl.constexpr,
-    VEC: tl.constexpr,
+    VEC: tl.constexpr, DIRECT: tl.constexpr, SLOTS: tl.constexpr, K_P2: tl.constexpr,
 ):  # fmt: skip
     """After the top bits on the row's 32-bit keys ``ukey``: at most ``CAP`` keys at or above ``kth``
     gathered into the row's candidate list (``cand_row = (cand_ptr, r, stride_cr)``) and finished
     there (:func:`_finish_from_list`), or (all 32 bits found and more than ``CAP`` keys equal to the
-    k-th) the select pass over the row."""
+    k-th) the select pass over the row. Returns 1 where the output row is written (``DIRECT`` and
+    the list), else 0 (the scratch holds the selected keys for :func:`_emit_topk`)."""
+    written = tl.zeros([], tl.int32)
     if cnt <= CAP:
         sel = ukey >= tl.maximum(kth, 1)
         cand = cand_row[0] + cand_row[1].to(tl.int64) * cand_row[2]
         key = ukey.to(tl.int32, bitcast=True) ^ -2147483648
         tl.store(cand + _column_slots(sel, THREADS, VEC), _rank_keys(key, pos), mask=sel)
-        _finish_from_list(cand, cnt, kth, b, kk, scr, CAP, THREADS, TIE_BITS, N_P2, STOP)
+        _finish_from_list(cand, cnt, kth, b, kk, scr, emit, CAP, THREADS, TIE_BITS, N_P2, STOP, DIRECT, SLOTS, K_P2)
+        if DIRECT and STOP == 0:
+            written += 1
     else:
         n_gt = tl.sum((ukey > kth).to(tl.int32))
         _select_pass(row_ptr, lo, hi, (lo // BLOCK) * BLOCK, kth, kk - n_gt, 0, scr, BLOCK, FOR_LOOP)
+    return written
 
 
 @triton.jit
@@ -1069,6 +1087,8 @@ def _topk_bisect_kernel(
     row_ptr = x_ptr + r.to(tl.int64) * stride_xr
     lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
     scr = scr_ptr + r.to(tl.int64) * stride_sr
+    out_row = out_ptr + r.to(tl.int64) * stride_or
+    written = tl.zeros([], tl.int32)
     if kk > 0:
         pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=THREADS if VEC == 1 else 0)
         ukey = tl.where(valid, ukey, 0)  # (0: out of range)
@@ -1086,9 +1106,13 @@ def _topk_bisect_kernel(
         elif STOP == 1:
             tl.store(scr, kth.to(tl.int64) + cnt)
         else:
-            _list_or_select(row_ptr, lo, hi, pos, ukey, kth, cnt, b, kk, (cand_ptr, r, stride_cr), scr, CAP, THREADS,
-                            TIE_BITS, N_P2, BLOCK, FOR_LOOP, STOP, VEC)  # fmt: skip
-    _emit_topk(scr, r, kk, k, out_ptr, stride_or, bt_ptr, stride_bt, n_log, pbs, next_n, K_P2, SLOTS, SORTED)
+            emit = (out_row, k, bt_ptr + (r // next_n).to(tl.int64) * stride_bt, n_log, pbs)
+            written = _list_or_select(
+                row_ptr, lo, hi, pos, ukey, kth, cnt, b, kk, (cand_ptr, r, stride_cr), scr, emit, CAP, THREADS,
+                TIE_BITS, N_P2, BLOCK, FOR_LOOP, STOP, VEC, not SORTED, SLOTS, K_P2,
+            )  # fmt: skip
+    if written == 0:
+        _emit_topk(scr, r, kk, k, out_ptr, stride_or, bt_ptr, stride_bt, n_log, pbs, next_n, K_P2, SLOTS, SORTED)
 
 
 #: launch parameters of the top-k: ``bisect``: rows of at most this many entries (rounded up to a
