@@ -41,7 +41,9 @@ def _wgmma_loop_kernel(out_ptr, clk_ptr, iters, N: gl.constexpr, MODE: gl.conste
     mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1], instr_shape=[16, N, 16])
     sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     fill: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])
-    b_smem = gl.allocate_shared_memory(gl.bfloat16, [N, K_TILE], gl.NVMMASharedLayout.get_default_for([N, K_TILE], gl.bfloat16))
+    b_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [N, K_TILE], gl.NVMMASharedLayout.get_default_for([N, K_TILE], gl.bfloat16)
+    )
     if MODE == 1:  # A MN-major: a [K, M] tile read through its transpose
         a_smem = gl.allocate_shared_memory(gl.bfloat16, [K_TILE, 64 * WG], sw)
         a_smem.store(gl.full([K_TILE, 64 * WG], 0.001, gl.bfloat16, fill))
@@ -68,7 +70,6 @@ def _wgmma_loop_kernel(out_ptr, clk_ptr, iters, N: gl.constexpr, MODE: gl.conste
     gl.store(out_ptr + gl.program_id(0), gl.sum(gl.sum(acc, axis=1), axis=0))
     if gl.program_id(0) == 0:
         gl.store(clk_ptr, t1 - t0)
-
 
 
 MODES = {"ss": 0, "ss_ta": 1, "rs": 2}
@@ -105,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    print(f"{'mode':>6} {'wg':>2} {'N':>4} {'ns/instr':>9} {'cyc/instr/SM':>13} {'TFLOP/s':>8} {'B/clk if A,B read once':>23}")
+    print(
+        f"{'mode':>6} {'wg':>2} {'N':>4} {'ns/instr':>9} {'cyc/instr/SM':>13} {'TFLOP/s':>8} {'B/clk if A,B read once':>23}"
+    )
     for mode in ("ss", "ss_ta", "rs"):
         for wg in (1, 2):
             for n in (8, 16, 32, 64, 128, 256):

@@ -6,6 +6,7 @@ over the limit; these tests also check the producer's copies and the consumers' 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -214,9 +215,25 @@ def test_wgmma_probe_compiles():
     # list), the others from shared memory; the loop is timed by clock64
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), ROOT, env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _COMPILE_WGMMA_PROBE], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _COMPILE_WGMMA_PROBE], capture_output=True, text=True, env=env, timeout=600
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     for key, (n_mma, n_reg_a, clock) in got.items():
         assert n_mma == 4 and clock, (key, got)
         assert (n_reg_a == 4) == key.startswith("2-"), (key, got)
+
+
+def _inner_loop(report: str) -> dict:
+    m = re.search(r"consumer inner loop \(ready wait \.\. empty arrive\): (\{.*\})", report)
+    assert m, report
+    return ast.literal_eval(m.group(1))  # (the script prints a dict of opcode counts)
+
+
+def test_narrow_v32_decode_reduces_its_row_sums_once(tmp_path):
+    # the V3.2 FP8 decode's 32-head consumer keeps its row sums per thread (one cross-warp reduction a
+    # block less than the MODEL1 cache's, which keeps the reduction a block: measured slower there)
+    v32 = _inner_loop(run_check("--heads", "32", tmp_path=tmp_path / "v32"))
+    m1 = _inner_loop(run_check("--heads", "32", "--model1", tmp_path=tmp_path / "m1"))
+    assert v32["BAR.SYNC"] < m1["BAR.SYNC"] and v32["SHFL"] < m1["SHFL"], (v32, m1)

@@ -1007,7 +1007,17 @@ def _consumer_narrow(
                  qmask, IS_V32)  # fmt: skip
 
         m_i = gl.full([HEADS], float("-inf"), gl.float32, SCOL)
-        l_i = gl.zeros([HEADS], gl.float32, SCOL)
+        # V3.2: the row sums stay per thread (each thread's tokens of every head) and are reduced
+        # across the warpgroup once, after the last block: one cross-warp reduction a block less
+        # (H200, session 18, graph: b=128 h_q 32 218.8 -> 206.0 us, h_q 16 152.7 -> 147.2, b=64 h_q
+        # 32 115.7 -> 109.8). The MODEL1 cache keeps the reduction a block: with it, b=128 h_q 32
+        # topk 128 + 1024 extra measured 126.7 -> 132.6 us (+ 512 extra: 80.9 -> 78.9); so does the
+        # sparse prefill (bf16 rows, or the FP8 cache with max_logits) until measured and tested there
+        ROWSUM_PER_THREAD: gl.constexpr = IS_V32 and not KV_BF16 and not HAS_MAX_LOGITS
+        if ROWSUM_PER_THREAD:
+            l_part = gl.zeros([64, HEADS], gl.float32, S_L)
+        else:
+            l_i = gl.zeros([HEADS], gl.float32, SCOL)
         acc = gl.zeros([D_NOPE, HEADS], gl.float32, S_L)
         for _blk in range(blk0, blk1):
             stage = it % NS
@@ -1031,7 +1041,10 @@ def _consumer_narrow(
                 m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = gl.exp2(m_i - m_safe)
                 p = gl.exp2(s - gl.expand_dims(m_safe, 0))
-                l_i = l_i * alpha + gl.sum(p, axis=0)
+                if ROWSUM_PER_THREAD:
+                    l_part = l_part * gl.expand_dims(alpha, 0) + p
+                else:
+                    l_i = l_i * alpha + gl.sum(p, axis=0)
                 m_i = m_new
                 acc = acc * gl.expand_dims(alpha, 0)
                 p_smem.store(p.to(gl.bfloat16))
@@ -1042,6 +1055,8 @@ def _consumer_narrow(
                 mbarrier.arrive(empty_bars.index(stage), count=1)
             it += 1
 
+        if ROWSUM_PER_THREAD:
+            l_i = gl.sum(l_part, axis=0)
         lonely = l_i == 0.0
         l_safe = gl.where(lonely, 1.0, l_i)
         m_safe2 = gl.where(lonely, 0.0, m_i)
