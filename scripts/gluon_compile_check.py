@@ -91,6 +91,7 @@ def compile_kernel(
     producer_warps: int | None = None,
     profile: int = 0,
     half_stages: bool = False,
+    narrow_rowsum: bool | None = None,
 ):
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
@@ -111,6 +112,10 @@ def compile_kernel(
         HEADS=heads,
         PV_REGS=pv_regs,
         HALF_STAGES=half_stages,
+        # (None: as hopper.launch's default, the V3.2 FP8 decode's narrow tiles)
+        NARROW_ROWSUM=(heads < 64 and not model1 and not bf16_kv and not max_logits)
+        if narrow_rowsum is None
+        else (narrow_rowsum and heads < 64),
     )
     ptrs = dict(PTRS, kv_ptr="*bf16") if bf16_kv else PTRS
     sig = {}
@@ -197,6 +202,9 @@ def main() -> int:
     ap.add_argument(
         "--profile", type=int, default=0, help="HopperConfig.profile (1: producer alone, 2: consumer alone)"
     )
+    ap.add_argument(
+        "--narrow-rowsum", type=int, default=None, choices=(0, 1), help="16/32-head tiles: row sums once a request"
+    )
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass")
     ap.add_argument(
         "--max-spill",
@@ -230,6 +238,7 @@ def main() -> int:
         producer_warps=a.producer_warps,
         profile=a.profile,
         half_stages=a.half_stages,
+        narrow_rowsum=None if a.narrow_rowsum is None else bool(a.narrow_rowsum),
     )
     md = k.metadata
     print(

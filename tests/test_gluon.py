@@ -281,3 +281,21 @@ def test_half_stages(layout, num_sms, h_q, monkeypatch):
     )  # fmt: skip
     add_extra_cache(kw, 3, 1, 200, 61, layout, seed=h_q, lengths=[200, 0, 77])
     check(q, kc, idx, num_sms, **kw)
+
+
+@pytest.mark.parametrize("layout", ["V32", "MODEL1"])
+@pytest.mark.parametrize("rowsum", [True, False])
+@pytest.mark.parametrize("h_q", [13, 32])
+def test_narrow_rowsum_both_ways(layout, rowsum, h_q, monkeypatch):
+    # HopperConfig.narrow_rowsum forced on and off for both caches (its default: on for V3.2 only):
+    # lengths 0 and 1, attn_sink, NaN past the lengths, split and unsplit schedules
+    from sparse_mla.decode import hopper
+
+    monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", dataclasses.replace(hopper._DEFAULT_CONFIG, narrow_rowsum=rowsum))
+    q, kc, idx, kw = make_case(
+        4, 2, h_q, topk=448, seed=140 + h_q, layout=layout, sink=True, topk_length=[448, 1, 300, 0],
+        nan_unused=layout == "V32",
+    )  # fmt: skip
+    for num_sms in (None, 4):
+        out, lse = check(q, kc, idx, num_sms, **kw)
+        assert torch.isfinite(out.float()).all() and torch.isposinf(lse[3]).all()

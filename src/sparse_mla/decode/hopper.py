@@ -165,6 +165,12 @@ class HopperConfig:
             slower still, 266.7 / 265.7: ``docs/experiments/gluon_half_stage_pairs.patch``) and
             for the sparse prefill (bf16 rows 5199 → 6190 µs at h_q 128; the MODEL1 FP8 cache
             3333 → 3614).
+        narrow_rowsum: 16/32-head tiles: the consumer keeps its softmax row sums per thread and
+            reduces them across the warpgroup once a request (after its last block) instead of once
+            a block. None (default): on for the V3.2 cache's FP8 decode (H200, session 18, graph:
+            b=128 h_q 32 218.8 → 206.0 µs, h_q 16 152.7 → 147.2), off for the MODEL1 cache (topk
+            128 + 1024 extra at h_q 32: 126.7 → 132.6 µs; + 512 extra: 80.9 → 78.9) and for the
+            sparse prefill (not yet measured there).
     """
 
     producer_warps: int = 4
@@ -178,10 +184,13 @@ class HopperConfig:
     narrow16_maxnreg: int = 168
     smem_carveout: int = 0
     half_stages: bool | None = None
+    narrow_rowsum: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.half_stages is not None and not isinstance(self.half_stages, bool):
-            raise ValueError(f"HopperConfig.half_stages: expected a bool or None, got {self.half_stages!r}")
+        for name in ("half_stages", "narrow_rowsum"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"HopperConfig.{name}: expected a bool or None, got {v!r}")
         c = self.smem_carveout
         if isinstance(c, bool) or not isinstance(c, int) or not -1 <= c <= 100:
             raise ValueError(f"HopperConfig.smem_carveout: expected -1 or a percent in 0..100, got {c!r}")
@@ -961,6 +970,7 @@ def _consumer_narrow(
     HAS_SINK: gl.constexpr,
     HAS_MAX_LOGITS: gl.constexpr,
     PROFILE: gl.constexpr,
+    ROWSUM_PER_THREAD: gl.constexpr,
 ):
     """The consumer of 16- or 32-head tiles (one warpgroup): the block's 64 tokens are the wgmmas' M and the
     ``HEADS`` heads their N, ``Sᵀ = K Qᵀ [64, HEADS]`` and ``Oᵀ += Vᵀ Pᵀ [512, HEADS]``, so no MMA row
@@ -1007,13 +1017,9 @@ def _consumer_narrow(
                  qmask, IS_V32)  # fmt: skip
 
         m_i = gl.full([HEADS], float("-inf"), gl.float32, SCOL)
-        # V3.2: the row sums stay per thread (each thread's tokens of every head) and are reduced
-        # across the warpgroup once, after the last block: one cross-warp reduction a block less
-        # (H200, session 18, graph: b=128 h_q 32 218.8 -> 206.0 us, h_q 16 152.7 -> 147.2, b=64 h_q
-        # 32 115.7 -> 109.8). The MODEL1 cache keeps the reduction a block: with it, b=128 h_q 32
-        # topk 128 + 1024 extra measured 126.7 -> 132.6 us (+ 512 extra: 80.9 -> 78.9); so does the
-        # sparse prefill (bf16 rows, or the FP8 cache with max_logits) until measured and tested there
-        ROWSUM_PER_THREAD: gl.constexpr = IS_V32 and not KV_BF16 and not HAS_MAX_LOGITS
+        # ROWSUM_PER_THREAD (HopperConfig.narrow_rowsum): the row sums stay per thread (each
+        # thread's tokens of every head) and are reduced across the warpgroup once, after the last
+        # block: one cross-warp reduction a block less
         if ROWSUM_PER_THREAD:
             l_part = gl.zeros([64, HEADS], gl.float32, S_L)
         else:
@@ -1155,6 +1161,7 @@ def _sparse_decode_gluon_kernel(
     HEADS: gl.constexpr,
     PV_REGS: gl.constexpr,
     HALF_STAGES: gl.constexpr = False,
+    NARROW_ROWSUM: gl.constexpr = False,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / HEADS))``; flat arguments (``scripts/gluon_compile_check.py``
     builds the signature from their names), grouped into tuples for the partitions."""
@@ -1296,6 +1303,7 @@ def _sparse_decode_gluon_kernel(
                         HAS_SINK,
                         HAS_MAX_LOGITS,
                         PROFILE,
+                        NARROW_ROWSUM,
                     ),
                 ),
                 (
@@ -1497,6 +1505,11 @@ def launch(
     if half_stages is None:
         half_stages = not is_v32 and not kv_bf16 and max_logits is None
     half_stages = half_stages and heads == 64
+    # narrow_rowsum=None: on for the V3.2 cache's FP8 decode only (measured; see HopperConfig)
+    narrow_rowsum = config.narrow_rowsum
+    if narrow_rowsum is None:
+        narrow_rowsum = is_v32 and not kv_bf16 and max_logits is None
+    narrow_rowsum = narrow_rowsum and heads < 64
     consts = dict(
         ALIGN=align,
         KV_BF16=kv_bf16,
@@ -1514,6 +1527,7 @@ def launch(
         HEADS=heads,
         PV_REGS=config.pv_regs,
         HALF_STAGES=half_stages,
+        NARROW_ROWSUM=narrow_rowsum,
     )
     options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
     # the carveout hint, set before the first launch too (a graph captured at the first call keeps it)
