@@ -75,7 +75,7 @@ def test_rejects_bad_arguments():
     bt = torch.zeros(2, 3, dtype=torch.int32)
     with pytest.raises(TypeError, match="^abs_indices"):
         abs_indices_to_kvcache_indices_triton(idx.float(), bt, 64)
-    with pytest.raises(TypeError, match="^block_table"):
+    with pytest.raises(TypeError, match="^block_table: expected an int32 or int64 tensor .* got torch.float32"):
         abs_indices_to_kvcache_indices_triton(idx, bt.float(), 64)
     with pytest.raises(ValueError, match="^page_block_size"):
         abs_indices_to_kvcache_indices_triton(idx, bt, 0)

@@ -88,7 +88,8 @@ def check_block_table(block_table: torch.Tensor, b: int, device: torch.device, p
     """``block_table`` an int32/int64 ``[b, max_blocks_per_seq]`` tensor on ``device``, and
     ``page_block_size`` an int in ``[1, 2^31 - 1]``."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
-        raise TypeError("block_table: expected an int32 tensor [b, max_blocks_per_seq]")
+        got = block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table).__name__
+        raise TypeError(f"block_table: expected an int32 or int64 tensor [b, max_blocks_per_seq], got {got}")
     if (
         isinstance(page_block_size, bool)
         or not isinstance(page_block_size, numbers.Integral)
