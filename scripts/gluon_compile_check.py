@@ -112,10 +112,7 @@ def compile_kernel(
         HEADS=heads,
         PV_REGS=pv_regs,
         HALF_STAGES=half_stages,
-        # (None: as hopper.launch's default, the V3.2 FP8 decode's narrow tiles)
-        NARROW_ROWSUM=(heads < 64 and not model1 and not bf16_kv and not max_logits)
-        if narrow_rowsum is None
-        else (narrow_rowsum and heads < 64),
+        NARROW_ROWSUM=sdg.resolve_narrow_rowsum(narrow_rowsum, heads, not model1, bf16_kv, max_logits or bf16_kv),
     )
     ptrs = dict(PTRS, kv_ptr="*bf16") if bf16_kv else PTRS
     sig = {}

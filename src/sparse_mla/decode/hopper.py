@@ -1365,6 +1365,15 @@ def _sparse_decode_gluon_kernel(
 
 
 # --------------------------------------------------------------------------------------------- launcher
+def resolve_narrow_rowsum(value: bool | None, heads: int, is_v32: bool, kv_bf16: bool, max_logits: bool) -> bool:
+    """``HopperConfig.narrow_rowsum`` for a launch: only for 16/32-head tiles; None is the measured
+    default, on for the V3.2 cache's FP8 decode only (not MODEL1, not the sparse prefill's bf16 rows
+    or its ``max_logits`` epilogue)."""
+    if value is None:
+        value = is_v32 and not kv_bf16 and not max_logits
+    return value and heads < BLOCK_H
+
+
 def _record_alignment(raw: torch.Tensor, is_v32: bool, extra: torch.Tensor | None) -> int:
     """The largest power of two (at most 16) that divides every token record's byte address in the
     caches: the gathers are 16-byte loads when it is 16 (every FlashMLA layout), narrower for views
@@ -1505,11 +1514,7 @@ def launch(
     if half_stages is None:
         half_stages = not is_v32 and not kv_bf16 and max_logits is None
     half_stages = half_stages and heads == 64
-    # narrow_rowsum=None: on for the V3.2 cache's FP8 decode only (measured; see HopperConfig)
-    narrow_rowsum = config.narrow_rowsum
-    if narrow_rowsum is None:
-        narrow_rowsum = is_v32 and not kv_bf16 and max_logits is None
-    narrow_rowsum = narrow_rowsum and heads < 64
+    narrow_rowsum = resolve_narrow_rowsum(config.narrow_rowsum, heads, is_v32, kv_bf16, max_logits is not None)
     consts = dict(
         ALIGN=align,
         KV_BF16=kv_bf16,
