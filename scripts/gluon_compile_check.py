@@ -112,7 +112,7 @@ def compile_kernel(
         HEADS=heads,
         PV_REGS=pv_regs,
         HALF_STAGES=half_stages,
-        NARROW_ROWSUM=sdg.resolve_narrow_rowsum(narrow_rowsum, heads, not model1, bf16_kv, max_logits or bf16_kv),
+        NARROW_ROWSUM=sdg.resolve_narrow_rowsum(narrow_rowsum, heads, not model1),
     )
     ptrs = dict(PTRS, kv_ptr="*bf16") if bf16_kv else PTRS
     sig = {}

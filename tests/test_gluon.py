@@ -287,7 +287,7 @@ def test_half_stages(layout, num_sms, h_q, monkeypatch):
 @pytest.mark.parametrize("rowsum", [True, False])
 @pytest.mark.parametrize("h_q", [13, 32])
 def test_narrow_rowsum_both_ways(layout, rowsum, h_q, monkeypatch):
-    # HopperConfig.narrow_rowsum forced on and off for both caches (its default: on for V3.2 only):
+    # HopperConfig.narrow_rowsum forced on and off for both caches (its default: on for the V3.2 layout):
     # lengths 0 and 1, attn_sink, NaN past the lengths, split and unsplit schedules
     from sparse_mla.decode import hopper
 

@@ -234,7 +234,7 @@ def _inner_loop(report: str) -> dict:
 
 
 def test_narrow_v32_decode_reduces_its_row_sums_once(tmp_path):
-    # HopperConfig.narrow_rowsum: by default the V3.2 FP8 decode's 32-head consumer keeps its row sums
+    # HopperConfig.narrow_rowsum: by default the V3.2 layout's 32-head consumer keeps its row sums
     # per thread (one cross-warp reduction a block less than the MODEL1 cache's, which keeps the
     # reduction a block: measured slower there); asked for, the MODEL1 build loses it too
     v32 = _inner_loop(run_check("--heads", "32", tmp_path=tmp_path / "v32"))
@@ -242,5 +242,7 @@ def test_narrow_v32_decode_reduces_its_row_sums_once(tmp_path):
     assert v32["BAR.SYNC"] < m1["BAR.SYNC"] and v32["SHFL"] < m1["SHFL"], (v32, m1)
     m1_on = _inner_loop(run_check("--heads", "32", "--model1", "--narrow-rowsum", "1", tmp_path=tmp_path / "m1on"))
     assert m1_on["BAR.SYNC"] < m1["BAR.SYNC"] and m1_on["SHFL"] < m1["SHFL"], (m1_on, m1)
-    # the sparse prefill's narrow bf16-row build compiles with it (not its default: not yet measured)
-    run_check("--heads", "16", "--bf16-kv", "--narrow-rowsum", "1", tmp_path=tmp_path / "pf")
+    # the sparse prefill's narrow V3.2 builds have it by default too (measured faster there), MODEL1's not
+    pf = _inner_loop(run_check("--heads", "32", "--bf16-kv", tmp_path=tmp_path / "pf"))
+    pf_off = _inner_loop(run_check("--heads", "32", "--bf16-kv", "--narrow-rowsum", "0", tmp_path=tmp_path / "pfoff"))
+    assert pf["BAR.SYNC"] < pf_off["BAR.SYNC"] and pf["SHFL"] < pf_off["SHFL"], (pf, pf_off)

@@ -167,10 +167,12 @@ class HopperConfig:
             3333 → 3614).
         narrow_rowsum: 16/32-head tiles: the consumer keeps its softmax row sums per thread and
             reduces them across the warpgroup once a request (after its last block) instead of once
-            a block. None (default): on for the V3.2 cache's FP8 decode (H200, session 18, graph:
-            b=128 h_q 32 218.8 → 206.0 µs, h_q 16 152.7 → 147.2), off for the MODEL1 cache (topk
-            128 + 1024 extra at h_q 32: 126.7 → 132.6 µs; + 512 extra: 80.9 → 78.9) and for the
-            sparse prefill (not yet measured there).
+            a block. None (default): on for the V3.2 layout: its FP8 decode (H200, session 18, graph:
+            b=128 h_q 32 218.8 → 206.0 µs, h_q 16 152.7 → 147.2) and the sparse prefill (session
+            19, s_q 4096, topk 2048: h_q 32 bf16 rows 2648 → 2307 µs, FP8 cache 3052 → 2895; h_q 16
+            1928 → 1895, 2086 → 1981); off for the MODEL1 cache, where it is faster on one row and
+            slower on another (sessions 18 and 19, graph, h_q 32 topk 128 + 1024 extra: 126.0 →
+            132.0 µs; + 512 extra: 81.5 → 78.9; h_q 16 within 1 %).
     """
 
     producer_warps: int = 4
@@ -1365,12 +1367,12 @@ def _sparse_decode_gluon_kernel(
 
 
 # --------------------------------------------------------------------------------------------- launcher
-def resolve_narrow_rowsum(value: bool | None, heads: int, is_v32: bool, kv_bf16: bool, max_logits: bool) -> bool:
+def resolve_narrow_rowsum(value: bool | None, heads: int, is_v32: bool) -> bool:
     """``HopperConfig.narrow_rowsum`` for a launch: only for 16/32-head tiles; None is the measured
-    default, on for the V3.2 cache's FP8 decode only (not MODEL1, not the sparse prefill's bf16 rows
-    or its ``max_logits`` epilogue)."""
+    default, on for the V3.2 layout (its FP8 decode, and the sparse prefill from either ``kv`` form),
+    off for MODEL1."""
     if value is None:
-        value = is_v32 and not kv_bf16 and not max_logits
+        value = is_v32
     return value and heads < BLOCK_H
 
 
@@ -1514,7 +1516,7 @@ def launch(
     if half_stages is None:
         half_stages = not is_v32 and not kv_bf16 and max_logits is None
     half_stages = half_stages and heads == 64
-    narrow_rowsum = resolve_narrow_rowsum(config.narrow_rowsum, heads, is_v32, kv_bf16, max_logits is not None)
+    narrow_rowsum = resolve_narrow_rowsum(config.narrow_rowsum, heads, is_v32)
     consts = dict(
         ALIGN=align,
         KV_BF16=kv_bf16,
