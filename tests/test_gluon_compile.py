@@ -74,6 +74,16 @@ def test_split_consumers_compile(tmp_path):
     assert re.search(r"TRY_ALLOC\.CTAPOOL 160 regs\s+\{[^}]*'HGMMA': 4\b", report), report
 
 
+def test_prefill_stores_o_through_shared_memory(tmp_path):
+    # the sparse prefill's 64-head consumers store O through the dead Q tile: each warp whole 512-byte
+    # rows with 16-byte stores, 16 a thread in each warpgroup, for both kv forms; the decode keeps the
+    # accumulator layout's stores (its partitions may hold several requests, whose Q is staged again)
+    for args, n in ((("--max-logits", "--bf16-kv"), 32), (("--max-logits",), 32), ((), 0)):
+        d = tmp_path / str(len(args))
+        run_check(*args, tmp_path=d)
+        assert (d / "k.sass").read_text().count("STG.E.128") == n, args
+
+
 def test_decode_signals_its_dependent_after_its_stores(tmp_path):
     # programmatic dependent launch (the combine waits with griddepcontrol.wait): the decode
     # signals once, at the end of its default partition (SASS PREEXIT just before its EXIT)

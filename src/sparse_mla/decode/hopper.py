@@ -652,6 +652,30 @@ def _tile_ptrs(t, row, sq, heads2, cols2):
     return ptr + row * stride_r + sq * stride_s + heads2 * stride_h + cols2
 
 
+@gluon.jit
+def _opaque_zero():
+    """0, from an instruction the compiler can neither look into nor move out of a loop."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _store_out_staged(o, buf, out, req, sq, hb, h_q, COL0: gl.constexpr):
+    """``out[req, sq, 64 heads of tile hb, COL0 : COL0 + 256]`` from an O half (bf16, the wgmma's
+    accumulator layout) through ``buf`` (``[64, 256]`` of the staged Q tile, dead by then): each warp
+    stores whole 512-byte rows in 16-byte pieces, where the accumulator layout's own stores are 4
+    bytes each (ncu, session 19: 11 % of warpgroup 0's stall samples in the prefill's epilogue)."""
+    buf.store(o)
+    _cta_barrier()
+    OB: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    v = buf.load(OB)
+    # (the row offsets from an opaque zero: else the compiler computes the 16 pointers a thread once,
+    # before the block loop, and keeps them there, spilled)
+    rows = hb * 64 + _opaque_zero() + gl.arange(0, 64, layout=gl.SliceLayout(1, OB))
+    cols = COL0 + gl.arange(0, 256, layout=gl.SliceLayout(0, OB))
+    ptr = _tile_ptrs(out, req.to(gl.int64), sq, gl.expand_dims(rows, 1), gl.expand_dims(cols, 0))
+    gl.store(ptr, v, mask=gl.expand_dims(rows < h_q, 1))
+
+
 # ---------------------------------------------------------------------- consumers split by role (FlashMLA-like)
 @gluon.jit
 def _stage_q(q_smem, qr_smem, qrow, qmask, IS_V32: gl.constexpr):
@@ -857,8 +881,11 @@ def _consumer_qk(
         hs += 1
         o = acc * gl.expand_dims(gl.convert_layout(scale_row, OROW), 1)
         if n_splits <= 1:
-            optr = _tile_ptrs(out, req.to(gl.int64), sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
-            gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
+            if HAS_MAX_LOGITS:  # the sparse prefill: one request a CTA, its Q tile dead by now
+                _store_out_staged(o.to(gl.bfloat16), q_smem.slice(0, D_NOPE // 2, dim=1), out, req, sq, hb, h_q, 0)
+            else:
+                optr = _tile_ptrs(out, req.to(gl.int64), sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
+                gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
             lse_v = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
             gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse_v, mask=hmask_s)
             if HAS_MAX_LOGITS:  # (sparse prefill: s_q 1, never split) max of q·k·sm_scale, -inf for no
@@ -882,12 +909,14 @@ def _consumer_pv(
     out,
     o_acc,
     h_q,
+    q_smem,
     p_smem,
     ring,
     hand,
     KV_BF16: gl.constexpr,
     HAS_EXTRA: gl.constexpr,
     PROFILE: gl.constexpr,
+    HAS_MAX_LOGITS: gl.constexpr,
 ):
     """Warpgroup 1 of the split consumers (a worker partition): ``O[:, 256:] += P V`` with the P and
     row factors warpgroup 0 (:func:`_consumer_qk`) leaves in smem, and ``out[:, 256:]`` (or the
@@ -941,8 +970,12 @@ def _consumer_pv(
         hs += 1
         o = acc * gl.expand_dims(scale_row, 1)
         if n_splits <= 1:
-            optr = _tile_ptrs(out, req.to(gl.int64), sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
-            gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
+            if HAS_MAX_LOGITS:  # the sparse prefill (see _consumer_qk): warpgroup 0 is done with Q
+                buf = q_smem.slice(D_NOPE // 2, D_NOPE // 2, dim=1)
+                _store_out_staged(o.to(gl.bfloat16), buf, out, req, sq, hb, h_q, D_NOPE // 2)
+            else:
+                optr = _tile_ptrs(out, req.to(gl.int64), sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
+                gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
         else:
             row = (split_base + split).to(gl.int64)
             aptr = _tile_ptrs(o_acc, row, sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
@@ -1244,12 +1277,14 @@ def _sparse_decode_gluon_kernel(
                         (out_ptr, stride_ob, stride_os, stride_oh),
                         (oacc_ptr, stride_ar, stride_as, stride_ah),
                         h_q,
+                        q_smem,
                         p_smem,
                         ring,
                         hand,
                         KV_BF16,
                         HAS_EXTRA,
                         PROFILE,
+                        HAS_MAX_LOGITS,
                     ),
                 ),
                 (
