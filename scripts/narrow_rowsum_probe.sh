@@ -2,14 +2,11 @@
 # The narrow consumer's row sums kept per thread, reduced once after the last block (session 18): the narrow tiles'
 # GPU tests, then benchmarks.decode --set small_heads alternating with the commit before (its src carried as
 # build/old/src: `git archive HEAD src | tar -x -C build/old` before the change); logs and JSON under $OUT.
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-L=$OUT/narrow_rowsum.log
-N=""; PYTHONPATH="$PWD/build/pylib" python3 -c "import xdist" 2>/dev/null && N="-n 8"
-echo "== GPU tests" | tee $L
-PYTHONPATH="$PWD/build/pylib:$PWD/src:$PWD" timeout 200 python3 -m pytest -q -p no:cacheprovider $N tests/test_small_heads.py \
-  tests/test_gluon.py -k "partial_head_tile or extra_cache or model1_partial or small or narrow or lonely or topk_length" -rf 2>&1 | tail -3 | tee -a $L
+source "$(dirname "$0")/probe_common.sh"
+probe_init narrow_rowsum
+echo "== GPU tests" | tee -a $L
+probe_pytest 200 tests/test_small_heads.py tests/test_gluon.py \
+  -k "partial_head_tile or extra_cache or model1_partial or small or narrow or lonely or topk_length" | tail -3 | tee -a $L
 ROWS="b=128,h_q=16,d_qk=576;b=128,h_q=32,d_qk=576;b=64,h_q=32,d_qk=576;b=2,h_q=32,d_qk=576;b=128,h_q=32,d_qk=512"
 for r in 1 2; do for v in new old; do
   src="$PWD/src"; [ $v = old ] && src="$PWD/build/old/src"

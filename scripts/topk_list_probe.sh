@@ -2,14 +2,10 @@
 # The top-k's list phase four bits a step and the unsorted output written from the list (session 18): its GPU
 # tests, then benchmarks.indexer alternating with the previous commit's src (build/old/src, `git archive HEAD src`
 # before the change); logs and JSON under $OUT.
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-L=$OUT/topk_list.log
-N=""; PYTHONPATH="$PWD/build/pylib" python3 -c "import xdist" 2>/dev/null && N="-n 8"
-echo "== GPU tests" | tee $L
-PYTHONPATH="$PWD/build/pylib:$PWD/src:$PWD" timeout 300 python3 -m pytest -q -p no:cacheprovider $N \
-  tests/test_indexer.py tests/test_index_convert.py -rf 2>&1 | tail -3 | tee -a $L
+source "$(dirname "$0")/probe_common.sh"
+probe_init topk_list
+echo "== GPU tests" | tee -a $L
+probe_pytest 300 tests/test_indexer.py tests/test_index_convert.py | tail -3 | tee -a $L
 for r in 1 2; do for v in new old; do
   src="$PWD/src"; [ $v = old ] && src="$PWD/build/old/src"
   echo "== benchmarks.indexer, $v, run $r" | tee -a $L
