@@ -659,6 +659,22 @@ def _opaque_zero():
 
 
 @gluon.jit
+def _store_out_half(
+    o, q_smem, out, req, sq, hb, h_q, heads_o, cols_o, hmask_o, HALF: gl.constexpr, STAGED: gl.constexpr
+):
+    """An unsplit request's O half ``HALF`` (bf16, the wgmma's accumulator layout; rows ``heads_o``,
+    columns ``cols_o`` of ``out``, rows ``hmask_o`` stored): stored as it is laid out, or (``STAGED``: the sparse prefill,
+    one request a CTA, whose Q tile is dead by then) through Q's half in shared memory
+    (:func:`_store_out_staged`)."""
+    if STAGED:
+        buf = q_smem.slice(HALF * (D_NOPE // 2), D_NOPE // 2, dim=1)
+        _store_out_staged(o, buf, out, req, sq, hb, h_q, HALF * (D_NOPE // 2))
+    else:
+        optr = _tile_ptrs(out, req.to(gl.int64), sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
+        gl.store(optr, o, mask=hmask_o)
+
+
+@gluon.jit
 def _store_out_staged(o, buf, out, req, sq, hb, h_q, COL0: gl.constexpr):
     """``out[req, sq, 64 heads of tile hb, COL0 : COL0 + 256]`` from an O half (bf16, the wgmma's
     accumulator layout) through ``buf`` (``[64, 256]`` of the staged Q tile, dead by then): each warp
@@ -881,11 +897,9 @@ def _consumer_qk(
         hs += 1
         o = acc * gl.expand_dims(gl.convert_layout(scale_row, OROW), 1)
         if n_splits <= 1:
-            if HAS_MAX_LOGITS:  # the sparse prefill: one request a CTA, its Q tile dead by now
-                _store_out_staged(o.to(gl.bfloat16), q_smem.slice(0, D_NOPE // 2, dim=1), out, req, sq, hb, h_q, 0)
-            else:
-                optr = _tile_ptrs(out, req.to(gl.int64), sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
-                gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
+            _store_out_half(
+                o.to(gl.bfloat16), q_smem, out, req, sq, hb, h_q, heads_o, cols_o, hmask_o, 0, HAS_MAX_LOGITS
+            )
             lse_v = gl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
             gl.store(lse_ptr + req.to(gl.int64) * stride_lb + heads_s * stride_lh + sq * stride_ls, lse_v, mask=hmask_s)
             if HAS_MAX_LOGITS:  # (sparse prefill: s_q 1, never split) max of q·k·sm_scale, -inf for no
@@ -970,12 +984,10 @@ def _consumer_pv(
         hs += 1
         o = acc * gl.expand_dims(scale_row, 1)
         if n_splits <= 1:
-            if HAS_MAX_LOGITS:  # the sparse prefill (see _consumer_qk): warpgroup 0 is done with Q
-                buf = q_smem.slice(D_NOPE // 2, D_NOPE // 2, dim=1)
-                _store_out_staged(o.to(gl.bfloat16), buf, out, req, sq, hb, h_q, D_NOPE // 2)
-            else:
-                optr = _tile_ptrs(out, req.to(gl.int64), sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
-                gl.store(optr, o.to(gl.bfloat16), mask=hmask_o)
+            # (the sparse prefill: warpgroup 0 is done with Q once it hands the row factor over)
+            _store_out_half(
+                o.to(gl.bfloat16), q_smem, out, req, sq, hb, h_q, heads_o, cols_o, hmask_o, 1, HAS_MAX_LOGITS
+            )
         else:
             row = (split_base + split).to(gl.int64)
             aptr = _tile_ptrs(o_acc, row, sq, gl.expand_dims(heads_o, 1), gl.expand_dims(cols_o, 0))
