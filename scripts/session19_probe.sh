@@ -4,15 +4,12 @@
 # slower with it, one 2.5 % faster) and the sparse prefill's narrow tiles (bf16 rows and the FP8 cache: never run
 # with it). GPU tests with it as the default, then each benchmark with and without it, alternating; logs and JSON
 # under $OUT. Carry build/pylib (pytest-xdist, as scripts/gpu_check.sh says) for parallel tests.
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/build/pylib:$PWD/src:$PWD"
-L=$OUT/session19_probe.log
-N=""; python3 -c "import xdist" 2>/dev/null && N="-n 8"
-echo "== GPU tests, narrow_rowsum=1 as the default" | tee $L
-timeout 240 python3 -m pytest -q -p no:cacheprovider $N --hopper-config narrow_rowsum=1 tests/test_small_heads.py \
-  tests/test_prefill.py tests/test_gluon.py -k "not test_gluon or partial_head_tile or extra_cache or model1 or lonely" \
-  -rf 2>&1 | tail -3 | tee -a $L
+source "$(dirname "$0")/probe_common.sh"
+probe_init session19_probe
+export PYTHONPATH="$PWD/src:$PWD"
+echo "== GPU tests, narrow_rowsum=1 as the default" | tee -a $L
+probe_pytest 240 --hopper-config narrow_rowsum=1 tests/test_small_heads.py tests/test_prefill.py tests/test_gluon.py \
+  -k "not test_gluon or partial_head_tile or extra_cache or model1 or lonely" | tail -3 | tee -a $L
 for r in 1 2; do for v in 1 none; do
   echo "== MODEL1 small heads, narrow_rowsum=$v, run $r" | tee -a $L
   timeout 60 python3 -m benchmarks.decode --set small_heads --quick --only "d_qk=512" --hopper-config narrow_rowsum=$v \

@@ -1472,7 +1472,9 @@ def launch(
             (:func:`.workspace.split_accumulators`), or None to allocate them.
         max_logits: ``[b, h_q]`` fp32 (any strides) to also receive each row's largest
             ``q·k·sm_scale`` (-inf for a row with no valid key), or None. Only for ``s_q = 1``
-            and a schedule that splits nothing (the sparse prefill's use).
+            and a schedule of one whole request a partition (the sparse prefill's,
+            :func:`sparse_mla.prefill.hopper.prefill_table`): the consumers then store O through
+            the request's staged Q tile, which a second request in the partition would overwrite.
 
     Returns:
         ``out [b, s_q, h_q, 512]`` bf16, ``lse [b, h_q, s_q]`` fp32.
@@ -1486,7 +1488,9 @@ def launch(
     out, lse = output_tensors(p)
     o_acc, l_acc = workspace or split_accumulators(table.num_acc_rows, s_q, h_q, p.d_v, dev)
     if max_logits is not None:
-        assert s_q == 1 and not table.any_split, "max_logits: only for s_q = 1 and unsplit schedules"
+        assert s_q == 1 and not table.any_split and table.num_sm_parts == b, (
+            "max_logits: only for s_q = 1 and one whole request a partition"
+        )
         ml = (max_logits, max_logits.stride(0), max_logits.stride(1))
     else:
         ml = (l_acc, 0, 0)  # never written
