@@ -444,11 +444,12 @@ def _tied_rows(n: int, k: int, dtype: torch.dtype = torch.float32):
 # (the kernel's in-register sort of k keys is slow in the interpreter: the large-k rows run once)
 @pytest.mark.parametrize(
     "n, k, dtype",
-    [(n, k, dt) for n, k in [(1, 1), (257, 16), (5000, 300)] for dt in (torch.float32, torch.bfloat16)]
+    [(n, k, dt) for n, k in [(1, 1), (257, 16), (2048, 100), (5000, 300)] for dt in (torch.float32, torch.bfloat16)]
     + [(700, 700, torch.float32), (900, 2048, torch.bfloat16)],
 )
 def test_topk_random_rows_with_ties_match_twin(n, k, dtype):
-    # the radix passes, the compaction and the sort on tied rows; k > n; the default (whole) ranges
+    # the radix passes, the compaction and the sort on tied rows; k > n; the default (whole) ranges;
+    # n 2048: the register path with unmasked row loads (n a power of two), fp32 and bf16
     x, lo, hi = _tied_rows(n, k, dtype)
     got = flash_mla.topk_indices(x.to(DEVICE), k, lo.to(DEVICE), hi.to(DEVICE))
     want = topk_indices_reference(x.float(), k, lo, hi)
@@ -500,10 +501,11 @@ def test_topk_kernel_configs_match_twin(n, k, cfg):
 
 @pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize(
-    "ordered, vec_load, pack16",
-    [(True, False, True), (False, False, True), (True, False, False), (True, True, False)],
+    "ordered, vec_load, pack16, n",
+    [(True, False, True, 3000), (False, False, True, 3000), (True, False, False, 3000), (True, True, False, 3000),
+     (True, False, True, 4096), (False, False, True, 4096), (True, False, False, 4096)],
 )  # fmt: skip
-def test_topk_register_path_every_phase(ordered, vec_load, pack16):
+def test_topk_register_path_every_phase(ordered, vec_load, pack16, n):
     # the register path's phases (k 100: a candidate list of cap = 2 x 128 = 256): the top bits
     # until <= 256 keys are at or above them, the list, the rest of the bits on it, the select; a
     # range already within the cap (no top bits); 180 keys tied at the k-th (with the 60 above them
@@ -515,12 +517,13 @@ def test_topk_register_path_every_phase(ordered, vec_load, pack16):
     # bits (the packed bits find nothing), and of subnormals of both signs; a negative k-th key with 31
     # positive keys above it (the lanes of keys whose top bit ranks above), 200 positive keys among
     # negative ones (the top bit alone decides: a list after one bit), exactly the cap (256) at or
-    # above the k-th key
+    # above the k-th key. n 4096 (a power of two: the row loads take no mask) repeats each row's first
+    # 1096 entries after its 3000
     from sparse_mla.indexer.kernels import launch_topk
 
     g = torch.Generator().manual_seed(11)
-    n, k = 3000, 100
-    x = torch.randn(14, n, generator=g)
+    k = 100
+    x = torch.randn(14, 3000, generator=g)
     lo = torch.zeros(14, dtype=torch.int64)
     hi = torch.full((14,), n, dtype=torch.int64)
     lo[1], hi[1] = 1000, 1200  # 200 entries: within the cap
@@ -533,19 +536,20 @@ def test_topk_register_path_every_phase(ordered, vec_load, pack16):
     x[5, 1::11] = float("inf")
     x[5, 2::13] = float("-inf")
     x[5, 3::17] = -0.0
-    x[6] = torch.arange(n, dtype=torch.float32) / 4096  # exactly k keys >= a bit prefix often
-    x[7] = torch.randn(n, generator=g) * 1e-30  # tiny values: the bits run long
+    x[6] = torch.arange(3000, dtype=torch.float32) / 4096  # exactly k keys >= a bit prefix often
+    x[7] = torch.randn(3000, generator=g) * 1e-30  # tiny values: the bits run long
     x[8] = float("nan")
     x[8, :50] = torch.randn(50, generator=g)
     x[8, 50:80] = float("-inf")  # 50 finite, 30 -inf, then NaN by position
-    x[9] = 1.0 + torch.arange(n, dtype=torch.float32) * 2.0**-23  # one top 17 bits for all
-    x[10] = torch.randn(n, generator=g).sign() * 1e-40 * torch.rand(n, generator=g)  # subnormals
-    x[11] = -torch.rand(n, generator=g) - 1.0
+    x[9] = 1.0 + torch.arange(3000, dtype=torch.float32) * 2.0**-23  # one top 17 bits for all
+    x[10] = torch.randn(3000, generator=g).sign() * 1e-40 * torch.rand(3000, generator=g)  # subnormals
+    x[11] = -torch.rand(3000, generator=g) - 1.0
     x[11, ::97] = torch.rand(31, generator=g) + 0.5  # 31 positive: the k-th key is negative
-    x[12] = -torch.rand(n, generator=g) - 1.0
+    x[12] = -torch.rand(3000, generator=g) - 1.0
     x[12, ::15] = torch.rand(200, generator=g)  # 200 positive: 100 <= 200 <= 256 after the top bit
-    x[13] = torch.randn(n, generator=g).clamp(max=4.0)
+    x[13] = torch.randn(3000, generator=g).clamp(max=4.0)
     x[13, 100:356] = 5.0  # 256 tied above the rest: exactly the cap
+    x = torch.cat([x, x[:, : n - 3000]], 1)
     out = torch.empty(14, k, dtype=torch.int32, device=DEVICE)
     args = (x.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE), out, k, k)
     cfg = {"bisect": 4096, "bisect_cap": 2, "bisect_vec_load": vec_load, "bisect_pack16": pack16}
