@@ -539,32 +539,42 @@ def _scalar_positions(start, one, BLOCK: tl.constexpr, THREADS: tl.constexpr):
 
 
 @triton.jit
-def _row_chunk(row_ptr, start, lo, hi, BLOCK: tl.constexpr, SCALAR: tl.constexpr = 0, FULL: tl.constexpr = False):
+def _row_chunk(
+    row_ptr, start, lo, hi, BLOCK: tl.constexpr, SCALAR: tl.constexpr = 0, n_row=0, INSIDE: tl.constexpr = 0,
+):  # fmt: skip
     """``(pos, valid, key, ukey)`` of row entries ``[start, start + BLOCK)`` (``valid``: within ``[lo,
     hi)``). ``SCALAR`` (the program's threads): one entry per load instruction, entry ``i * SCALAR +
     t`` in thread ``t``, so the tensors take the layout of a scatter by position (no layout
-    conversion before one). ``FULL``: every position of the chunk is inside the row's storage
-    (the caller knows ``start + BLOCK <= n``), so the loads take no mask: with one, ptxas keeps
-    only a few of a thread's 64 loads in flight (a predicate each, recomputed from a bit mask),
-    without, about 50 (the row then arrives in about one memory latency)."""
+    conversion before one); its loads are masked by ``pos < n_row`` (the row's storage, ``n_row >=
+    hi``; ``valid`` applies ``[lo, hi)`` after the load) except for the first ``INSIDE`` entries a
+    thread, which the caller knows lie inside it (``start + INSIDE * SCALAR <= n_row``): those take
+    no mask at all. A mask computed from ``valid`` cost a predicate a load that ptxas kept in a
+    bit mask, and it then held only 3-8 of a thread's 64 loads in flight (session 20's SASS); with
+    the first half (every row longer than half its power of two) unmasked it holds ~40, then ~35,
+    and with the whole row unmasked ~50."""
     if SCALAR:  # (hi >= lo: when not, no entry is valid whatever the positions)
         pos, off = _scalar_positions(start, (hi >= lo).to(tl.int32), BLOCK, SCALAR)
+        # (the entry index within the thread as a constant per register: the first INSIDE fold to true)
+        ci = tl.reshape(tl.zeros([BLOCK // SCALAR, SCALAR], tl.int32) + tl.arange(0, BLOCK // SCALAR)[:, None], [BLOCK])
+        mask = (ci < INSIDE) | (pos < n_row)
     else:
         pos = start + tl.arange(0, BLOCK)
         off = pos
     valid = (pos >= lo) & (pos < hi)
+    if not SCALAR:
+        mask = valid
     if row_ptr.dtype.element_ty == tl.bfloat16:
         # bf16 -> fp32 as bits (exact; Triton's interpreter, 3.6-3.9, turns bf16 subnormals into
         # other values when it converts them, which reorders the top-k of tiny logits)
-        if FULL:
+        if INSIDE * SCALAR >= BLOCK:
             bits = tl.load(row_ptr.to(tl.pointer_type(tl.int16)) + off)
         else:
-            bits = tl.load(row_ptr.to(tl.pointer_type(tl.int16)) + off, mask=valid, other=0)
+            bits = tl.load(row_ptr.to(tl.pointer_type(tl.int16)) + off, mask=mask, other=0)
         x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    elif FULL:
+    elif INSIDE * SCALAR >= BLOCK:
         x = tl.load(row_ptr + off).to(tl.float32)
     else:
-        x = tl.load(row_ptr + off, mask=valid, other=0.0).to(tl.float32)
+        x = tl.load(row_ptr + off, mask=mask, other=0.0).to(tl.float32)
     key = _key32(x)
     ukey = (key ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order
     return pos, valid, key, ukey
@@ -1076,7 +1086,7 @@ def _topk_bisect_kernel(
     bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr,
     N_P2: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr, CAP: tl.constexpr, THREADS: tl.constexpr,
     TIE_BITS: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr, FOR_LOOP: tl.constexpr,
-    STOP: tl.constexpr = 0, VEC: tl.constexpr = 1, PACK16: tl.constexpr = False, FULL: tl.constexpr = False,
+    STOP: tl.constexpr = 0, VEC: tl.constexpr = 1, PACK16: tl.constexpr = False, INSIDE: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(rows,)``, rows of at most ``N_P2`` entries (``2^TIE_BITS``), ``THREADS`` threads a program: the row's
     keys read once into registers (entry ``i`` of thread ``t``: position ``i * THREADS + t``); the
@@ -1098,7 +1108,9 @@ def _topk_bisect_kernel(
     out_row = out_ptr + r.to(tl.int64) * stride_or
     written = tl.zeros([], tl.int32)
     if kk > 0:
-        pos, valid, _key, ukey = _row_chunk(row_ptr, 0, lo, hi, N_P2, SCALAR=THREADS if VEC == 1 else 0, FULL=FULL)
+        pos, valid, _key, ukey = _row_chunk(
+            row_ptr, 0, lo, hi, N_P2, SCALAR=THREADS if VEC == 1 else 0, n_row=n, INSIDE=INSIDE
+        )
         ukey = tl.where(valid, ukey, 0)  # (0: out of range)
         # the top bits: cnt = valid keys >= kth (every key's is > 0, so kth 0 counts them all)
         stop = N_P2 if STOP == 4 else CAP  # (4: no bits, the load alone)
@@ -1273,7 +1285,7 @@ def launch_topk(
             cand, cand.stride(0),
             N_P2=n_p2, BLOCK=block, K_P2=k_p2, CAP=cap, THREADS=32 * warps, TIE_BITS=n_p2.bit_length() - 1, SLOTS=slots, SORTED=bool(ordered),
             FOR_LOOP=for_loop, STOP=cfg["profile"], VEC=vec, PACK16=cfg["bisect_pack16"] and vec == 1 and n_p2 >= 64 * warps,
-            FULL=n == n_p2 and vec == 1,
+            INSIDE=0 if vec != 1 else (n_p2 if n == n_p2 else n_p2 // 2 if 2 * n > n_p2 else 0) // (32 * warps),
             num_warps=warps, **({"maxnreg": cfg["bisect_maxnreg"]} if cfg["bisect_maxnreg"] and not interpreting() else {}),
         )  # fmt: skip
         return
