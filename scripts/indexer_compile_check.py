@@ -117,6 +117,7 @@ def cases(arch: int):
         VEC=1,
         PACK16=tc["bisect_pack16"],
         STOP=0,
+        INSIDE=tc["bisect"] // (32 * tc["bisect_warps"]),  # (a row of exactly `bisect` entries: no load masks)
     )
     yield "topk k=2048 bisect, unsorted", K._topk_bisect_kernel, bis, tc["bisect_warps"]
     yield (

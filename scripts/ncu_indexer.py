@@ -1,7 +1,7 @@
 """Run each indexer kernel once on its benchmark shape, for a profiler to attach to (e.g.
 ``ncu --clock-control none -k regex:_topk_kernel -c 1 --set full python scripts/ncu_indexer.py topk``).
 
-    python scripts/ncu_indexer.py [topk|paged|prefill] ...
+    python scripts/ncu_indexer.py [topk|topk_unsorted|paged] ...
 """
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ def topk() -> None:
         flash_mla.topk_indices(x, 2048)
 
 
+def topk_unsorted() -> None:
+    x = torch.randn(256, 32768, device="cuda")
+    for _ in range(2):
+        flash_mla.topk_indices(x, 2048, sorted=False)
+
+
 def paged() -> None:
     b, next_n, h, d, blk, ctx_len = 128, 2, 64, 128, 64, 32768
     nblk = ctx_len // blk
@@ -36,5 +42,5 @@ def paged() -> None:
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["topk", "paged"]:
-        {"topk": topk, "paged": paged}[name]()
+        {"topk": topk, "topk_unsorted": topk_unsorted, "paged": paged}[name]()
     torch.cuda.synchronize()

@@ -563,21 +563,29 @@ def _row_chunk(
     valid = (pos >= lo) & (pos < hi)
     if not SCALAR:
         mask = valid
+    key, ukey = _load_keys(row_ptr, off, mask, INSIDE * SCALAR >= BLOCK)
+    return pos, valid, key, ukey
+
+
+@triton.jit
+def _load_keys(row_ptr, off, mask, UNMASKED: tl.constexpr = False):
+    """The signed and unsigned 32-bit keys (:func:`_key32`) of ``row_ptr[off]`` where ``mask``
+    (those of 0.0 elsewhere; ``UNMASKED``: every ``off`` is inside the row, no mask)."""
     if row_ptr.dtype.element_ty == tl.bfloat16:
         # bf16 -> fp32 as bits (exact; Triton's interpreter, 3.6-3.9, turns bf16 subnormals into
         # other values when it converts them, which reorders the top-k of tiny logits)
-        if INSIDE * SCALAR >= BLOCK:
+        if UNMASKED:
             bits = tl.load(row_ptr.to(tl.pointer_type(tl.int16)) + off)
         else:
             bits = tl.load(row_ptr.to(tl.pointer_type(tl.int16)) + off, mask=mask, other=0)
         x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    elif INSIDE * SCALAR >= BLOCK:
+    elif UNMASKED:
         x = tl.load(row_ptr + off).to(tl.float32)
     else:
         x = tl.load(row_ptr + off, mask=mask, other=0.0).to(tl.float32)
     key = _key32(x)
     ukey = (key ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned order
-    return pos, valid, key, ukey
+    return key, ukey
 
 
 @triton.jit
@@ -1016,10 +1024,11 @@ def _column_slots(sel, THREADS: tl.constexpr, VEC: tl.constexpr = 1):
 
 @triton.jit
 def _finish_from_list(
-    cand, cnt, kth, b, kk, scr, emit, CAP: tl.constexpr, THREADS: tl.constexpr, TIE_BITS: tl.constexpr,
+    row_ptr, cand, cnt, kth, b, kk, scr, emit, CAP: tl.constexpr, THREADS: tl.constexpr, TIE_BITS: tl.constexpr,
     N_P2: tl.constexpr, STOP: tl.constexpr, DIRECT: tl.constexpr, SLOTS: tl.constexpr, K_P2: tl.constexpr,
 ):  # fmt: skip
-    """On the list of the ``cnt`` keys at or above ``kth`` (``b`` bits found): the remaining bits,
+    """On the list of the ``cnt`` positions whose keys are at or above ``kth`` (``b`` bits found;
+    ``cand`` holds them as int32, their keys loaded from the row ``row_ptr`` again): the remaining bits,
     the tie cut (the lowest positions among keys equal to the k-th) and the selected keys into the
     scratch (:func:`_topk_bisect_kernel`), or (``DIRECT``: the unsorted output, in the same slots
     :func:`_emit_topk` would copy them to) their positions or (``SLOTS``) cache slots straight into
@@ -1027,7 +1036,11 @@ def _finish_from_list(
     ``kk .. min(k, K_P2) - 1``: no scratch stores and loads between the list and the output."""
     tl.debug_barrier()  # every thread's candidates before any thread's loads
     if STOP != 2:
-        c_pos, c_valid, c_key, c_ukey = _cand_chunk(cand, 0, cnt, CAP, SCALAR=THREADS)  # (as the row's)
+        # the list's positions (int32), their keys from the row again (L2: it was read just before)
+        c_i, c_off = _scalar_positions(0, (cnt >= 0).to(tl.int32), CAP, THREADS)  # (as the row's)
+        c_valid = c_i < cnt
+        c_pos = tl.load(cand.to(tl.pointer_type(tl.int32)) + c_off, mask=c_valid, other=0)
+        c_key, c_ukey = _load_keys(row_ptr, c_pos.to(tl.int64), c_valid)
         c_ukey = tl.where(c_valid, c_ukey, 0)
         kth, cnt, b = _bisect_down(c_ukey, kth, cnt, b, kk, kk)
         # the entries above the k-th key, and of those equal to it the `need` lowest positions
@@ -1060,7 +1073,7 @@ def _list_or_select(
     TIE_BITS: tl.constexpr, N_P2: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr, STOP: tl.constexpr,
     VEC: tl.constexpr, DIRECT: tl.constexpr, SLOTS: tl.constexpr, K_P2: tl.constexpr,
 ):  # fmt: skip
-    """After the top bits on the row's 32-bit keys ``ukey``: at most ``CAP`` keys at or above ``kth``
+    """After the top bits on the row's 32-bit keys ``ukey``: at most ``CAP`` positions of keys at or above ``kth``
     gathered into the row's candidate list (``cand_row = (cand_ptr, r, stride_cr)``) and finished
     there (:func:`_finish_from_list`), or (all 32 bits found and more than ``CAP`` keys equal to the
     k-th) the select pass over the row. Returns 1 where the output row is written (``DIRECT`` and
@@ -1069,9 +1082,10 @@ def _list_or_select(
     if cnt <= CAP:
         sel = ukey >= tl.maximum(kth, 1)
         cand = cand_row[0] + cand_row[1].to(tl.int64) * cand_row[2]
-        key = ukey.to(tl.int32, bitcast=True) ^ -2147483648
-        tl.store(cand + _column_slots(sel, THREADS, VEC), _rank_keys(key, pos), mask=sel)
-        _finish_from_list(cand, cnt, kth, b, kk, scr, emit, CAP, THREADS, TIE_BITS, N_P2, STOP, DIRECT, SLOTS, K_P2)
+        tl.store(cand.to(tl.pointer_type(tl.int32)) + _column_slots(sel, THREADS, VEC), pos, mask=sel)
+        _finish_from_list(
+            row_ptr, cand, cnt, kth, b, kk, scr, emit, CAP, THREADS, TIE_BITS, N_P2, STOP, DIRECT, SLOTS, K_P2
+        )
         if DIRECT and STOP == 0:
             written += 1
     else:
@@ -1091,8 +1105,9 @@ def _topk_bisect_kernel(
     """Grid ``(rows,)``, rows of at most ``N_P2`` entries (``2^TIE_BITS``), ``THREADS`` threads a program: the row's
     keys read once into registers (entry ``i`` of thread ``t``: position ``i * THREADS + t``); the
     k-th best key's top bits found bit by bit (:func:`_bisect_down`) only until at most ``CAP`` keys
-    are at or above them; those keys gathered thread by thread (:func:`_column_slots`) into ``cand[r,
-    :CAP]``; on that list, the remaining bits, then (when more keys equal the k-th than the top k
+    are at or above them; their positions gathered thread by thread (:func:`_column_slots`) into
+    ``cand[r]`` (as int32: 4 bytes an entry, where 8-byte rank keys made ptxas spill every key
+    before the stores; the keys are loaded from the row again, from L2); on that list, the remaining bits, then (when more keys equal the k-th than the top k
     has room for) the lowest positions among them by the same bisection, and the selected keys
     gathered into the scratch; the output as :func:`_topk_kernel` (without ``SORTED``: in the
     gathered order, the same on every call). More than ``CAP`` keys equal to the k-th (all 32 bits
@@ -1256,7 +1271,7 @@ def launch_topk(
         _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
         _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel, _bisect_down, _column_slots, _rank_keys,
         _scalar_positions, _bisect_down16, _f16x2_ge, _f16x2_add, _f16x2_lanes, _pair_lanes, _bisect_packed,
-        _finish_from_list, _list_or_select,
+        _finish_from_list, _list_or_select, _load_keys,
     )  # fmt: skip
     rows, n = logits.shape
     if rows == 0:

@@ -9,8 +9,8 @@ On CUDA (and under the interpreter) Triton kernels (:func:`.kernels.launch_topk`
 k-th best 32-bit key. A row of up to 32768 entries is read once into one program's registers and
 the key's top bits found from the top by counts of the keys at or above a candidate (no histogram:
 for the top bit a compare and an add per entry, for bits 30..17 two entries at a time in fp16 lanes)
-until at most 2 k keys are at or above them; those keys are gathered into a list, the remaining bits
-found on it, and the row's entries above the k-th key and the first ones equal to it are written.
+until at most 2 k keys are at or above them; their positions are gathered into a list, the remaining
+bits found on it (the keys read from the row again), and the row's entries above the k-th key and the first ones equal to it are written.
 A longer row takes a radix select: two 8-bit histogram levels over row segments fix its top 16
 bits, a split pass writes the entries above that bucket and gathers the bucket's entries into a
 candidate list, and one program per row finishes the select on that list (on the row when the
