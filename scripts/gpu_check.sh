@@ -31,7 +31,8 @@ if [ "${1:-}" = "--memcheck" ]; then
            "tests/test_gluon.py::test_extra_cache" "tests/test_gluon.py::test_model1_partial_head_tile_and_odd_pages"
            "tests/test_prefill.py::test_corner_cases" "tests/test_prefill.py::test_hopper_bf16_rows_at_every_alignment"
            "tests/test_indexer.py::test_paged_logits_tensor_memory_path" "tests/test_indexer.py::test_paged_logits_corner_cases"
-           "tests/test_indexer.py::test_nan_in_unused_cache_slots_never_reaches_the_logits")
+           "tests/test_indexer.py::test_nan_in_unused_cache_slots_never_reaches_the_logits"
+           "tests/test_indexer.py::test_topk_register_path_every_phase" "tests/test_indexer.py::test_topk_random_rows_with_ties_match_twin")
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
         python3 -m pytest -q -p no:cacheprovider -p no:xdist "${tests[@]}" "${@}" 2>&1 | tee "$OUT/memcheck.log" | tail -25
     status=${PIPESTATUS[0]}
