@@ -92,6 +92,7 @@ def compile_kernel(
     profile: int = 0,
     half_stages: bool = False,
     narrow_rowsum: bool | None = None,
+    narrow_staged_out: bool | None = None,
 ):
     kern = sdg._sparse_decode_gluon_kernel
     names = list(inspect.signature(kern.fn).parameters)
@@ -113,6 +114,7 @@ def compile_kernel(
         PV_REGS=pv_regs,
         HALF_STAGES=half_stages,
         NARROW_ROWSUM=sdg.resolve_narrow_rowsum(narrow_rowsum, heads, not model1),
+        NARROW_STAGED=sdg.resolve_narrow_staged_out(narrow_staged_out, heads, bf16_kv, max_logits or bf16_kv),
     )
     ptrs = dict(PTRS, kv_ptr="*bf16") if bf16_kv else PTRS
     sig = {}
@@ -202,6 +204,9 @@ def main() -> int:
     ap.add_argument(
         "--narrow-rowsum", type=int, default=None, choices=(0, 1), help="16/32-head tiles: row sums once a request"
     )
+    ap.add_argument(
+        "--narrow-staged-out", type=int, default=None, choices=(0, 1), help="16/32-head tiles: Oᵀ through the Q tile"
+    )
     ap.add_argument("--dump", default=None, help="directory for ttgir/ptx/sass")
     ap.add_argument(
         "--max-spill",
@@ -236,6 +241,7 @@ def main() -> int:
         profile=a.profile,
         half_stages=a.half_stages,
         narrow_rowsum=None if a.narrow_rowsum is None else bool(a.narrow_rowsum),
+        narrow_staged_out=None if a.narrow_staged_out is None else bool(a.narrow_staged_out),
     )
     md = k.metadata
     print(

@@ -284,14 +284,18 @@ def test_half_stages(layout, num_sms, h_q, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["V32", "MODEL1"])
-@pytest.mark.parametrize("rowsum", [True, False])
+@pytest.mark.parametrize(
+    "field, value", [("narrow_rowsum", True), ("narrow_rowsum", False), ("narrow_staged_out", True)]
+)
 @pytest.mark.parametrize("h_q", [13, 32])
-def test_narrow_rowsum_both_ways(layout, rowsum, h_q, monkeypatch):
-    # HopperConfig.narrow_rowsum forced on and off for both caches (its default: on for the V3.2 layout):
-    # lengths 0 and 1, attn_sink, NaN past the lengths, split and unsplit schedules
+def test_narrow_config_both_ways(layout, field, value, h_q, monkeypatch):
+    # HopperConfig.narrow_rowsum forced on and off for both caches (its default: on for the V3.2 layout),
+    # and narrow_staged_out on (default: the bf16-row prefill only): lengths 0 and 1, attn_sink, NaN
+    # past the lengths, split and unsplit schedules (several requests a partition: Q staged again
+    # after a staged epilogue)
     from sparse_mla.decode import hopper
 
-    monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", dataclasses.replace(hopper._DEFAULT_CONFIG, narrow_rowsum=rowsum))
+    monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", dataclasses.replace(hopper._DEFAULT_CONFIG, **{field: value}))
     q, kc, idx, kw = make_case(
         4, 2, h_q, topk=448, seed=140 + h_q, layout=layout, sink=True, topk_length=[448, 1, 300, 0],
         nan_unused=layout == "V32",

@@ -176,6 +176,8 @@ def test_smem_carveout_hint_checks():
             HopperConfig(half_stages=bad)
         with pytest.raises(ValueError, match="HopperConfig.narrow_rowsum: expected a bool or None"):
             HopperConfig(narrow_rowsum=bad)
+        with pytest.raises(ValueError, match="HopperConfig.narrow_staged_out: expected a bool or None"):
+            HopperConfig(narrow_staged_out=bad)
     set_smem_carveout(None, 0)  # the interpreter's launches have no compiled kernel: nothing to set
 
     class Stub:  # the host-time stub's compiled kernel: a name, not a driver handle
@@ -256,3 +258,17 @@ def test_narrow_v32_decode_reduces_its_row_sums_once(tmp_path):
     pf = _inner_loop(run_check("--heads", "32", "--bf16-kv", tmp_path=tmp_path / "pf"))
     pf_off = _inner_loop(run_check("--heads", "32", "--bf16-kv", "--narrow-rowsum", "0", tmp_path=tmp_path / "pfoff"))
     assert pf["BAR.SYNC"] < pf_off["BAR.SYNC"] and pf["SHFL"] < pf_off["SHFL"], (pf, pf_off)
+
+
+def test_narrow_staged_out_defaults():
+    # HopperConfig.narrow_staged_out: None is on for the decode (every narrow row measured faster,
+    # session 20) and the bf16-row prefill, off for the FP8 cache's prefill (2 % slower at 32
+    # heads); never for 64-head tiles (their own staged epilogue is the prefill's, HAS_MAX_LOGITS)
+    from sparse_mla.decode.hopper import BLOCK_H, resolve_narrow_staged_out
+
+    assert resolve_narrow_staged_out(None, 32, kv_bf16=False, prefill=False)
+    assert resolve_narrow_staged_out(None, 16, kv_bf16=True, prefill=True)
+    assert not resolve_narrow_staged_out(None, 32, kv_bf16=False, prefill=True)
+    assert resolve_narrow_staged_out(True, 32, kv_bf16=False, prefill=True)
+    assert not resolve_narrow_staged_out(False, 16, kv_bf16=False, prefill=False)
+    assert not resolve_narrow_staged_out(None, BLOCK_H, kv_bf16=False, prefill=False)

@@ -173,6 +173,13 @@ class HopperConfig:
             1928 → 1895, 2086 → 1981); off for the MODEL1 cache, where it is faster on one row and
             slower on another (sessions 18 and 19, graph, h_q 32 topk 128 + 1024 extra: 126.0 →
             132.0 µs; + 512 extra: 81.5 → 78.9; h_q 16 within 1 %).
+        narrow_staged_out: 16/32-head tiles: an unsplit request's Oᵀ is stored transposed into
+            the dead Q tile, then written out by whole rows in 16-byte pieces (its accumulator layout
+            stores 2 bytes a thread). None (default): on for the decode (H200, session 20, graph:
+            V3.2 b=128 h_q 32 206.1-206.8 → 203.4 µs, h_q 16 146.8-147.2 → 145.2-145.6; MODEL1
+            b=128 h_q 32 topk 128 + 512 extra 81.5-81.8 → 75.8-76.3, + 1024 126.5-126.8 →
+            121.0-121.2) and the bf16-row prefill (h_q 32 2297-2311 → 2142-2175 µs, h_q 16 1880 →
+            1798-1800), off for the FP8 cache's prefill (2 % slower at h_q 32: producer-bound).
     """
 
     producer_warps: int = 4
@@ -187,9 +194,10 @@ class HopperConfig:
     smem_carveout: int = 0
     half_stages: bool | None = None
     narrow_rowsum: bool | None = None
+    narrow_staged_out: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("half_stages", "narrow_rowsum"):
+        for name in ("half_stages", "narrow_rowsum", "narrow_staged_out"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"HopperConfig.{name}: expected a bool or None, got {v!r}")
@@ -1025,6 +1033,7 @@ def _consumer_narrow(
     HAS_MAX_LOGITS: gl.constexpr,
     PROFILE: gl.constexpr,
     ROWSUM_PER_THREAD: gl.constexpr,
+    STAGED_OUT: gl.constexpr = False,
 ):
     """The consumer of 16- or 32-head tiles (one warpgroup): the block's 64 tokens are the wgmmas' M and the
     ``HEADS`` heads their N, ``Sᵀ = K Qᵀ [64, HEADS]`` and ``Oᵀ += Vᵀ Pᵀ [512, HEADS]``, so no MMA row
@@ -1127,8 +1136,7 @@ def _consumer_narrow(
                 denom += gl.exp2(sink_log2 - m_safe2)
             scale_col = gl.where(lonely, 0.0, 1.0 / denom)
             o = acc * gl.expand_dims(scale_col, 0)
-            if HAS_MAX_LOGITS and KV_BF16:  # the bf16-row prefill: Oᵀ through the Q tile (_store_out_staged;
-                # with the FP8 cache it measured 2 % slower at 32 heads, session 20)
+            if STAGED_OUT:  # Oᵀ through the Q tile (_store_out_staged; this warpgroup stages the next Q itself)
                 _store_out_staged(o.to(gl.bfloat16), q_smem, out, req, sq, hb * HEADS, h_q, 0, True)
             else:
                 optr = _tile_ptrs(out, req.to(gl.int64), sq, gl.expand_dims(heads, 0), gl.expand_dims(cols_o, 1))
@@ -1220,6 +1228,7 @@ def _sparse_decode_gluon_kernel(
     PV_REGS: gl.constexpr,
     HALF_STAGES: gl.constexpr = False,
     NARROW_ROWSUM: gl.constexpr = False,
+    NARROW_STAGED: gl.constexpr = False,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / HEADS))``; flat arguments (``scripts/gluon_compile_check.py``
     builds the signature from their names), grouped into tuples for the partitions."""
@@ -1364,6 +1373,7 @@ def _sparse_decode_gluon_kernel(
                         HAS_MAX_LOGITS,
                         PROFILE,
                         NARROW_ROWSUM,
+                        NARROW_STAGED,
                     ),
                 ),
                 (
@@ -1431,6 +1441,14 @@ def resolve_narrow_rowsum(value: bool | None, heads: int, is_v32: bool) -> bool:
     off for MODEL1."""
     if value is None:
         value = is_v32
+    return value and heads < BLOCK_H
+
+
+def resolve_narrow_staged_out(value: bool | None, heads: int, kv_bf16: bool, prefill: bool) -> bool:
+    """``HopperConfig.narrow_staged_out`` for a launch: only for 16/32-head tiles; None is the
+    measured default, on for the decode and the bf16-row prefill, off for the FP8 cache's prefill."""
+    if value is None:
+        value = kv_bf16 or not prefill
     return value and heads < BLOCK_H
 
 
@@ -1597,6 +1615,7 @@ def launch(
         PV_REGS=config.pv_regs,
         HALF_STAGES=half_stages,
         NARROW_ROWSUM=narrow_rowsum,
+        NARROW_STAGED=resolve_narrow_staged_out(config.narrow_staged_out, heads, kv_bf16, max_logits is not None),
     )
     options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
     # the carveout hint, set before the first launch too (a graph captured at the first call keeps it)
