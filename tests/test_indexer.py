@@ -577,6 +577,22 @@ def test_topk_without_ranges_matches_full_ranges(path):
     assert torch.equal(got.cpu(), topk_indices_reference(x.cpu(), k))
 
 
+def test_topk_default_config_check_follows_its_dict(monkeypatch):
+    # the checked defaults are reused between calls (host time) only while TOPK_CONFIG is unchanged:
+    # a changed default takes effect, and a bad one is refused, on the next call
+    from sparse_mla.indexer import kernels as K
+
+    base = K._topk_config(None)
+    assert K._topk_config(None) == base and K._topk_config(None) is not K._topk_config(None)
+    monkeypatch.setitem(K.TOPK_CONFIG, "bisect_warps", 8)
+    assert K._topk_config(None)["bisect_warps"] == 8
+    monkeypatch.setitem(K.TOPK_CONFIG, "bisect_warps", 3)
+    with pytest.raises(ValueError, match="config: bisect_warps must be a power of two"):
+        K._topk_config(None)
+    monkeypatch.undo()
+    assert K._topk_config(None) == base
+
+
 @pytest.mark.parametrize(
     "cfg, key",
     [({"bisect_cap": 3}, "bisect_cap"), ({"bisect_cap": 0}, "bisect_cap"), ({"bisect_cap": 2.0}, "bisect_cap"),
