@@ -1184,6 +1184,16 @@ _POW2 = {  # (block, split_block: the select packs two counts of a step into one
 }
 
 
+def _pow2_ceil(x: int) -> int:
+    """``triton.next_power_of_2`` for a host int (Triton 3.6's is a constexpr function: ~12 µs of
+    host time a call through its wrapper)."""
+    return 1 << (int(x) - 1).bit_length() if x > 0 else 0
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
 def _topk_config(config) -> dict:
     """:data:`TOPK_CONFIG` updated by ``config`` (a mapping or None), every key checked (``ValueError``
     naming it: an unknown key, a wrong type or a value out of range). Without ``config`` the checked
@@ -1296,12 +1306,12 @@ def launch_topk(
         # bounds then fails its coalesce pass, so such rows get range tensors)
         z = torch.zeros(rows, dtype=torch.int32, device=logits.device)
         lo, hi = (z if lo is None else lo), (z + 1 if hi is None else hi)
-    k_p2 = triton.next_power_of_2(kk)
-    block = min(cfg["block"], max(triton.next_power_of_2(n), 256))
+    k_p2 = _pow2_ceil(kk)
+    block = min(cfg["block"], max(_pow2_ceil(n), 256))
     slots = table is not None
     bt = table if slots else out  # (a placeholder when there is no table: never read)
     for_loop = not interpreting()
-    n_p2 = triton.next_power_of_2(n)
+    n_p2 = _pow2_ceil(n)
     if n_p2 <= cfg["bisect"]:  # the row fits in one program's registers
         warps = min(cfg["bisect_warps"], max(4, n_p2 // 2048))
         vec = 4 if cfg["bisect_vec_load"] else 1
@@ -1322,18 +1332,18 @@ def launch_topk(
     hb = cfg["hist_bits"]
     per, n_seg = 1, 1
     if cap:  # segments of `per` steps: about programs_per_sm programs per SM, at most _MAX_SEGMENTS a row
-        n_blk = triton.cdiv(n, block)
+        n_blk = _ceil_div(n, block)
         per, n_seg = _split(n_blk, rows, cfg["programs_per_sm"] * _num_sms(logits.device, None))
         if n_seg > _MAX_SEGMENTS:
-            per = triton.cdiv(n_blk, _MAX_SEGMENTS)
-            n_seg = triton.cdiv(n_blk, per)
+            per = _ceil_div(n_blk, _MAX_SEGMENTS)
+            n_seg = _ceil_div(n_blk, per)
     n_hist = rows * (16 // hb) * n_seg * (1 << hb) if cap else 0
     # one allocation: scratch [rows, k_p2] int64, candidate lists [rows, cap] int64, histograms int32
     ws = torch.empty(rows * (k_p2 + cap) + n_hist // 2, dtype=torch.int64, device=logits.device)
     scratch = ws[: rows * k_p2].view(rows, k_p2)
     cand, hist, s_p2 = scratch, scratch, 1
     if cap:  # the histogram levels and the split, each over (rows, segments) programs
-        s_p2 = triton.next_power_of_2(n_seg)
+        s_p2 = _pow2_ceil(n_seg)
         cand = ws[rows * k_p2 : rows * (k_p2 + cap)].view(rows, cap)
         hist = ws[rows * (k_p2 + cap) :].view(torch.int32).view(rows, 16 // hb, n_seg, 1 << hb)
         meta = dict(HB=hb, S_P2=s_p2, FOR_LOOP=for_loop, num_warps=cfg["num_warps"])
