@@ -478,3 +478,17 @@ def test_a_bad_backend_name_on_a_filled_object_is_named_as_such(log, bad):
     _call(p, meta, "hopper")
     with pytest.raises((ValueError, TypeError), match="^backend: expected"):
         _call(p, meta, bad)
+
+
+def test_host_int_helpers_match_triton():
+    # the launch paths' next_pow2 / cdiv (plain int math: Triton 3.6's are constexpr functions whose
+    # wrapper costs several µs a call) give Triton's values, 0 included
+    import triton
+
+    from sparse_mla.runtime import cdiv, next_pow2
+
+    for x in [0, 1, 2, 3, 4, 5, 63, 64, 65, 255, 256, 257, 2047, 2048, 32768, 32769, 2**31 - 1]:
+        assert next_pow2(x) == triton.next_power_of_2(x), x
+    for a in range(0, 70):
+        for b in (1, 2, 3, 7, 16, 64):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)

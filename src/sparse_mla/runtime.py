@@ -37,6 +37,17 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
+def next_pow2(x: int) -> int:
+    """``triton.next_power_of_2`` for a host int (0 for 0). Triton 3.6's is a constexpr function,
+    whose wrapper costs several µs of host time a call; launch paths use this one."""
+    return 1 << (int(x) - 1).bit_length() if x > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host ints, without its constexpr-function wrapper (see :func:`next_pow2`)."""
+    return -(-int(a) // int(b))
+
+
 def interpreting() -> bool:
     """Whether Triton's interpreter is selected (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import cuda_num_sms, interpreting, pdl_enabled, require_runnable
+from ..runtime import cdiv, cuda_num_sms, interpreting, pdl_enabled, require_runnable
 from .launcher import launch as launch_kernel
 
 
@@ -187,7 +187,7 @@ def _combine_blocks(
     block_h, block_d = blocks if blocks is not None else (16, 128)
     if device.type == "cuda" and blocks is None:
         target = 2 * cuda_num_sms(device)
-        while b * s_q * triton.cdiv(h_q, block_h) * (d_v // block_d) < target:
+        while b * s_q * cdiv(h_q, block_h) * (d_v // block_d) < target:
             if block_d > 64:
                 block_d //= 2
             elif block_h > 4:
@@ -257,7 +257,7 @@ def combine_fwd(
         block_s = splits_per_step
     if d_v % block_d:
         raise ValueError(f"out: d_v must be a multiple of {block_d}, got {d_v}")
-    grid = (b, s_q * triton.cdiv(h_q, block_h), d_v // block_d)
+    grid = (b, s_q * cdiv(h_q, block_h), d_v // block_d)
     args = (
         o_accum,
         o_accum.stride(0),

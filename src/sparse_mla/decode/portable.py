@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..formats import cache_bytes
 from ..problem import DecodeProblem, finish_outputs, output_tensors
-from ..runtime import LOG2E, interpreting, require_runnable
+from ..runtime import LOG2E, cdiv, interpreting, require_runnable
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, small_head_tile
 from .combine import combine_fwd, final_out_lse
 from .launcher import launch_fitting
@@ -595,7 +595,7 @@ def launch(
     )
     launch_fitting(
         _sparse_decode_kernel,
-        (table.num_sm_parts, s_q, triton.cdiv(h_q, block_h)),
+        (table.num_sm_parts, s_q, cdiv(h_q, block_h)),
         args,
         consts,
         config.num_warps,

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..decode.portable import e4m3_decode_exact
-from ..runtime import cuda_num_sms, interpreting, require_runnable
+from ..runtime import cdiv, cuda_num_sms, interpreting, next_pow2, require_runnable
 from ..serving.index_convert import table_slots
 from ..serving.store import _e4m3_rtne_bits, ceil_log2_div448, slot_records
 from .checks import check_tensor_arg, index_cache_geometry
@@ -63,7 +63,7 @@ def launch_quant_store(
     nb, bs, _, stride_blk = index_cache_geometry(kv_cache)
     n = k.shape[0]
     block_t = 16
-    _index_quant_store_kernel[(triton.cdiv(n, block_t),)](
+    _index_quant_store_kernel[(cdiv(n, block_t),)](
         k, k.stride(0), slot_mapping, slot_mapping.stride(0), kv_cache, stride_blk, bs, nb * bs, n,
         D=d, UE8M0=ue8m0, BLOCK_T=block_t,
     )  # fmt: skip
@@ -411,8 +411,8 @@ def _dot_meta(device: torch.device, fp8_dot: bool | None, d: int) -> dict:
 def _rows_tile(h: int, groups: int, rows: int) -> tuple[int, int]:
     """``(G, H_P2)``: ``G`` groups (query positions or tokens) of ``H_P2`` head rows per program,
     ``G * H_P2 <= max(rows, H_P2)`` and ``>= 16`` (a dot's smallest side)."""
-    h_p2 = triton.next_power_of_2(h)
-    g = max(1, min(triton.next_power_of_2(groups), rows // h_p2))
+    h_p2 = next_pow2(h)
+    g = max(1, min(next_pow2(groups), rows // h_p2))
     if g * h_p2 < 16:
         h_p2 = 16 // g
     return g, h_p2
@@ -421,8 +421,8 @@ def _rows_tile(h: int, groups: int, rows: int) -> tuple[int, int]:
 def _split(n_tiles: int, programs: int, target: int) -> tuple[int, int]:
     """``(tiles_per_prog, splits)``: split ``n_tiles`` into about ``target / programs`` even parts."""
     splits = max(1, min(n_tiles, -(-target // max(programs, 1))))
-    per = triton.cdiv(n_tiles, splits)
-    return per, triton.cdiv(n_tiles, per)
+    per = cdiv(n_tiles, splits)
+    return per, cdiv(n_tiles, per)
 
 
 def _num_sms(device: torch.device, num_sms: int | None) -> int:
@@ -439,8 +439,8 @@ def launch_mqa_logits(q, kv, kv_scale, weights, ks, ke, out, num_sms=None, confi
     s_kv = kv.shape[0]
     bq, h_p2 = _rows_tile(h, s_q, cfg["rows"])
     block_n = cfg["block_n"]
-    n_qb = triton.cdiv(s_q, bq)
-    per, splits = _split(triton.cdiv(s_kv, block_n), n_qb, _num_sms(q.device, num_sms) * cfg["progs_per_sm"])
+    n_qb = cdiv(s_q, bq)
+    per, splits = _split(cdiv(s_kv, block_n), n_qb, _num_sms(q.device, num_sms) * cfg["progs_per_sm"])
     _mqa_logits_kernel[(n_qb, splits)](
         q, q.stride(0), q.stride(1), kv, kv.stride(0), kv_scale, weights, weights.stride(0), weights.stride(1),
         ks, ke, out, out.stride(0), s_q, s_kv, h, per,
@@ -462,7 +462,7 @@ def launch_paged_mqa_logits(
     b, next_n, h, d = q.shape
     nb, bs, _, stride_blk = index_cache_geometry(kv_cache)
     p, h_p2 = _rows_tile(h, next_n, cfg["rows"])
-    groups = triton.cdiv(next_n, p)
+    groups = cdiv(next_n, p)
     block_n = cfg["block_n"]
     meta = _dot_meta(q.device, cfg["fp8_dot"], d)
     # more than 128 rows (or 128 fp16 rows: spills on sm_80) take two warpgroups unless told otherwise
@@ -470,7 +470,7 @@ def launch_paged_mqa_logits(
     warps = cfg["num_warps"] if (config and "num_warps" in config) or not big else 8
     descs = _paged_descriptors(kv_cache, nb, bs, d, stride_blk, block_n, meta, cfg)
     pps = cfg["progs_per_sm"] if descs is None else cfg["tma_progs_per_sm"]
-    per, chunks = _split(triton.cdiv(max_context_len, block_n), b * groups, _num_sms(q.device, num_sms) * pps)
+    per, chunks = _split(cdiv(max_context_len, block_n), b * groups, _num_sms(q.device, num_sms) * pps)
     if descs is not None:
         extra = {"maxnreg": cfg["tma_maxnreg"]} if cfg["tma_maxnreg"] and not interpreting() else {}
         _paged_tma_logits_kernel[(b, chunks, groups)](
@@ -1184,16 +1184,6 @@ _POW2 = {  # (block, split_block: the select packs two counts of a step into one
 }
 
 
-def _pow2_ceil(x: int) -> int:
-    """``triton.next_power_of_2`` for a host int (Triton 3.6's is a constexpr function: ~12 µs of
-    host time a call through its wrapper)."""
-    return 1 << (int(x) - 1).bit_length() if x > 0 else 0
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-int(a) // int(b))
-
-
 def _topk_config(config) -> dict:
     """:data:`TOPK_CONFIG` updated by ``config`` (a mapping or None), every key checked (``ValueError``
     naming it: an unknown key, a wrong type or a value out of range). Without ``config`` the checked
@@ -1306,12 +1296,12 @@ def launch_topk(
         # bounds then fails its coalesce pass, so such rows get range tensors)
         z = torch.zeros(rows, dtype=torch.int32, device=logits.device)
         lo, hi = (z if lo is None else lo), (z + 1 if hi is None else hi)
-    k_p2 = _pow2_ceil(kk)
-    block = min(cfg["block"], max(_pow2_ceil(n), 256))
+    k_p2 = next_pow2(kk)
+    block = min(cfg["block"], max(next_pow2(n), 256))
     slots = table is not None
     bt = table if slots else out  # (a placeholder when there is no table: never read)
     for_loop = not interpreting()
-    n_p2 = _pow2_ceil(n)
+    n_p2 = next_pow2(n)
     if n_p2 <= cfg["bisect"]:  # the row fits in one program's registers
         warps = min(cfg["bisect_warps"], max(4, n_p2 // 2048))
         vec = 4 if cfg["bisect_vec_load"] else 1
@@ -1332,18 +1322,18 @@ def launch_topk(
     hb = cfg["hist_bits"]
     per, n_seg = 1, 1
     if cap:  # segments of `per` steps: about programs_per_sm programs per SM, at most _MAX_SEGMENTS a row
-        n_blk = _ceil_div(n, block)
+        n_blk = cdiv(n, block)
         per, n_seg = _split(n_blk, rows, cfg["programs_per_sm"] * _num_sms(logits.device, None))
         if n_seg > _MAX_SEGMENTS:
-            per = _ceil_div(n_blk, _MAX_SEGMENTS)
-            n_seg = _ceil_div(n_blk, per)
+            per = cdiv(n_blk, _MAX_SEGMENTS)
+            n_seg = cdiv(n_blk, per)
     n_hist = rows * (16 // hb) * n_seg * (1 << hb) if cap else 0
     # one allocation: scratch [rows, k_p2] int64, candidate lists [rows, cap] int64, histograms int32
     ws = torch.empty(rows * (k_p2 + cap) + n_hist // 2, dtype=torch.int64, device=logits.device)
     scratch = ws[: rows * k_p2].view(rows, k_p2)
     cand, hist, s_p2 = scratch, scratch, 1
     if cap:  # the histogram levels and the split, each over (rows, segments) programs
-        s_p2 = _pow2_ceil(n_seg)
+        s_p2 = next_pow2(n_seg)
         cand = ws[rows * k_p2 : rows * (k_p2 + cap)].view(rows, cap)
         hist = ws[rows * (k_p2 + cap) :].view(torch.int32).view(rows, 16 // hb, n_seg, 1 << hb)
         meta = dict(HB=hb, S_P2=s_p2, FOR_LOOP=for_loop, num_warps=cfg["num_warps"])

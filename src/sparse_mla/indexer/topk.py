@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..runtime import on_tensor_device, use_triton
+from ..runtime import next_pow2, on_tensor_device, use_triton
 from ..serving.checks import check_block_table
 from ..serving.reference import abs_indices_to_kvcache_indices
 from .checks import INT32_MAX, check_tensor_arg, type_name
@@ -119,7 +119,7 @@ def _topk(
         x = logits if logits.stride(1) == 1 else logits.contiguous()
         lo = None if lo is None else lo.contiguous()  # (None: from 0 / to n, nothing to fill)
         hi = None if hi is None else hi.contiguous()
-        covered = k <= _next_pow2(kk)  # the kernel writes columns < next_pow2(kk)
+        covered = k <= next_pow2(kk)  # the kernel writes columns < next_pow2(kk)
         out = torch.empty((rows, k), dtype=torch.int32, device=dev) if covered else _minus_one((rows, k), dev)
         launch_topk(x, lo, hi, out, k, kk, table, page_block_size, next_n, ordered=ordered, _checked=True)
         return out
@@ -149,10 +149,6 @@ def _check_k(k: Any) -> None:
 
 def _minus_one(shape: tuple[int, int], dev: torch.device) -> torch.Tensor:
     return torch.full(shape, -1, dtype=torch.int32, device=dev)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
 
 
 @on_tensor_device

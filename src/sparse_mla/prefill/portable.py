@@ -20,7 +20,7 @@ import triton.language as tl
 from ..decode.combine import final_out_lse
 from ..decode.launcher import launch_fitting
 from ..decode.portable import ADDR_GENERAL, _cache_args, _load_block_keys, dot_consts, gather_consts
-from ..runtime import LOG2E, interpreting, require_runnable
+from ..runtime import LOG2E, cdiv, interpreting, require_runnable
 from ..scheduler import small_head_tile
 from .problem import PrefillProblem
 
@@ -253,6 +253,6 @@ def launch(
         HAS_SINK=p.attn_sink is not None,
         **dot_consts(interp),
     )
-    grid = (s_q, triton.cdiv(h_q, block_h), 1)
+    grid = (s_q, cdiv(h_q, block_h), 1)
     launch_fitting(_sparse_prefill_kernel, grid, args, consts, num_warps, num_stages, (dev, tuple(consts.items())))
     return out.to(torch.bfloat16) if interp else out, max_logits, lse

@@ -18,7 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import check_no_self_overlap, check_plain_storage, on_tensor_device, require_runnable, use_triton
+from ..runtime import (
+    cdiv,
+    check_no_self_overlap,
+    check_plain_storage,
+    next_pow2,
+    on_tensor_device,
+    require_runnable,
+    use_triton,
+)
 from .checks import check_abs_index_args
 
 __all__ = ["abs_indices_to_kvcache_indices_triton", "table_slots"]
@@ -120,8 +128,8 @@ def abs_indices_to_kvcache_indices_triton(
     require_runnable(_abs_to_cache_kernel, dev, table_slots)
     n_log = block_table.shape[1]
     bt = block_table if n_log > 0 else torch.full((b, 1), -1, dtype=block_table.dtype, device=dev)
-    block = min(1024, triton.next_power_of_2(topk))
-    grid = (b * s_q, triton.cdiv(topk, block))
+    block = min(1024, next_pow2(topk))
+    grid = (b * s_q, cdiv(topk, block))
     _abs_to_cache_kernel[grid](
         abs_indices,
         *abs_indices.stride(),

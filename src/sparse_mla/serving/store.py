@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..formats import KVCacheLayout, LayoutLike, cache_bytes
-from ..runtime import on_tensor_device, require_runnable, use_triton
+from ..runtime import cdiv, next_pow2, on_tensor_device, require_runnable, use_triton
 from .checks import check_store_args
 
 __all__ = ["quantize_and_store_kv", "launch"]
@@ -220,7 +220,7 @@ def launch(
     raw = cache_bytes(k_cache)
     nb, pbs = raw.shape[0], raw.shape[1]
     n = kv.shape[0]
-    grid = (triton.cdiv(n, block_t),)
+    grid = (cdiv(n, block_t),)
     _quantize_store_kernel[grid](
         kv,
         kv.stride(0),
@@ -238,7 +238,7 @@ def launch(
         DATA_BYTES=lay.data_bytes,
         TILE=lay.tile,
         NUM_TILES=lay.num_tiles,
-        TILES_P2=triton.next_power_of_2(lay.num_tiles),
+        TILES_P2=next_pow2(lay.num_tiles),
         SCALE_REC=lay.scale_section_bytes,
         BLOCK_T=block_t,
         num_warps=4,
