@@ -577,6 +577,15 @@ def test_topk_without_ranges_matches_full_ranges(path):
     assert torch.equal(got.cpu(), topk_indices_reference(x.cpu(), k))
 
 
+def test_topk_kvcache_block_table_on_another_device_names_logits():
+    # (a fresh-user finding: the message named "the indices", an argument this call does not have)
+    import sparse_mla
+
+    table = torch.zeros(2, 5, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"block_table: must be on the same device as logits \(cpu\)"):
+        sparse_mla.topk_kvcache_indices(torch.randn(2, 300), 5, table, 64)
+
+
 def test_topk_default_config_check_follows_its_dict(monkeypatch):
     # the checked defaults are reused between calls (host time) only while TOPK_CONFIG is unchanged:
     # a changed default takes effect, and a bad one is refused, on the next call

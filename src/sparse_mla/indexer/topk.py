@@ -195,7 +195,7 @@ def topk_kvcache_indices(
     if rows % next_n:
         raise ValueError(f"logits: rows ({rows}) must be b * next_n with next_n={next_n}")
     b = rows // next_n
-    check_block_table(block_table, b, logits.device, page_block_size)
+    check_block_table(block_table, b, logits.device, page_block_size, "logits")
     page_block_size = int(page_block_size)  # (a NumPy integer passes the check)
     table = block_table if block_table.shape[1] < 2 or block_table.stride(1) == 1 else block_table.contiguous()
     out = _topk(logits, int(k), row_starts, row_ends, table, page_block_size, int(next_n), ordered=sorted)

@@ -84,9 +84,12 @@ def check_abs_index_args(abs_indices: torch.Tensor, block_table: torch.Tensor, p
     check_block_table(block_table, abs_indices.shape[0], abs_indices.device, page_block_size)
 
 
-def check_block_table(block_table: torch.Tensor, b: int, device: torch.device, page_block_size: int) -> None:
-    """``block_table`` an int32/int64 ``[b, max_blocks_per_seq]`` tensor on ``device``, and
-    ``page_block_size`` an int in ``[1, 2^31 - 1]``."""
+def check_block_table(
+    block_table: torch.Tensor, b: int, device: torch.device, page_block_size: int, device_of: str = "the indices"
+) -> None:
+    """``block_table`` an int32/int64 ``[b, max_blocks_per_seq]`` tensor on ``device`` (the device of
+    the argument ``device_of`` names, for the error message), and ``page_block_size`` an int in
+    ``[1, 2^31 - 1]``."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
         got = block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table).__name__
         raise TypeError(f"block_table: expected an int32 or int64 tensor [b, max_blocks_per_seq], got {got}")
@@ -99,5 +102,5 @@ def check_block_table(block_table: torch.Tensor, b: int, device: torch.device, p
     if block_table.dim() != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table: expected shape [b={b}, max_blocks_per_seq], got {list(block_table.shape)}")
     if block_table.device != device:
-        raise ValueError(f"block_table: must be on the same device as the indices ({device})")
+        raise ValueError(f"block_table: must be on the same device as {device_of} ({device})")
     check_plain_storage(block_table, "block_table")  # the kernels read its raw bits, inside its storage
