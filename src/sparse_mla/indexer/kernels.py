@@ -3,6 +3,7 @@ under the interpreter). Twins: :mod:`sparse_mla.indexer.reference`. Imported on 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -618,16 +619,12 @@ def _rank_keys(key, pos):
 
 
 @triton.jit
-def _cand_chunk(cand, start, n_c, BLOCK: tl.constexpr, SCALAR: tl.constexpr = 0):
+def _cand_chunk(cand, start, n_c, BLOCK: tl.constexpr):
     """Entries ``[start, start + BLOCK)`` of a candidate list of rank keys (``n_c`` long) as
-    ``_row_chunk`` gives a row's: ``(pos, valid, key, ukey)`` (``SCALAR`` as there)."""
-    if SCALAR:  # (n_c >= 0: when not, no entry is valid)
-        i, off = _scalar_positions(start, (n_c >= 0).to(tl.int32), BLOCK, SCALAR)
-    else:
-        i = start + tl.arange(0, BLOCK)
-        off = i
+    ``_row_chunk`` gives a row's: ``(pos, valid, key, ukey)``."""
+    i = start + tl.arange(0, BLOCK)
     valid = i < n_c
-    comp = tl.load(cand + off, mask=valid, other=0)
+    comp = tl.load(cand + i, mask=valid, other=0)
     hi32 = comp >> 32
     key = hi32.to(tl.int32)
     pos = (4294967295 - (comp - (hi32 << 32))).to(tl.int32)
@@ -1190,14 +1187,15 @@ def _topk_config(config) -> dict:
     defaults are reused while :data:`TOPK_CONFIG` holds the same items (the checks cost ~9 µs of
     host time a call)."""
     if config is None:
-        key = tuple(TOPK_CONFIG.items())
-        if _DEFAULT_CHECKED[0] != key:
-            _DEFAULT_CHECKED[:] = [key, _check_topk_config(None)]
-        return dict(_DEFAULT_CHECKED[1])
+        return dict(_checked_defaults(tuple(TOPK_CONFIG.items())))
     return _check_topk_config(config)
 
 
-_DEFAULT_CHECKED: list = [None, None]  # (TOPK_CONFIG's items, the checked defaults) of the last call
+@functools.lru_cache(maxsize=1)
+def _checked_defaults(items: tuple) -> dict:
+    """:func:`_check_topk_config` of the defaults, once per content of :data:`TOPK_CONFIG` (``items``,
+    the cache key; the caller copies the result)."""
+    return _check_topk_config(None)
 
 
 def _check_topk_config(config) -> dict:
