@@ -46,6 +46,10 @@ PTRS = {
     "scr_ptr": "*i64",
     "cand_ptr": "*i64",
     "hist_ptr": "*i32",
+    "t_ptr": "*i32",
+    "rk_ptr": "*i64",
+    "cnt_ptr": "*i32",
+    "flag_ptr": "*i32",
     "k_desc": "tensordesc<fp8e4nv[1,64,128]>",
     "s_desc": "tensordesc<fp32[1,64]>",
 }
@@ -118,6 +122,7 @@ def cases(arch: int):
         PACK16=tc["bisect_pack16"],
         STOP=0,
         INSIDE=tc["bisect"] // (32 * tc["bisect_warps"]),  # (a row of exactly `bisect` entries: no load masks)
+        flag_ptr=None,
     )
     yield "topk k=2048 bisect, unsorted", K._topk_bisect_kernel, bis, tc["bisect_warps"]
     yield (
@@ -127,6 +132,21 @@ def cases(arch: int):
         tc["bisect_warps"],
     )
     yield "topk k=2048 bisect, sorted", K._topk_bisect_kernel, {**bis, "SORTED": True}, tc["bisect_warps"]
+    flagged = {k: v for k, v in bis.items() if k != "flag_ptr"}
+    yield "topk k=2048 bisect, the split path's flagged rows", K._topk_bisect_kernel, flagged, tc["bisect_warps"]
+    # the split path (256 x 32768, k 2048, the launcher's sizes)
+    cap = min(tc["bisect"], max(2048 * tc["split_cap"], 32 * tc["split_list_warps"]))
+    sample = min(tc["split_sample"], cap)
+    thr = dict(CAP=cap, SAMPLE_G=min(64, sample), SAMPLE_L=sample // min(64, sample), END=20)
+    yield "topk split path: threshold", K._topk_threshold_kernel, thr, tc["split_sample_warps"]
+    chunk = dict(CHUNK=tc["split_chunk"], THREADS=32 * tc["split_warps"])
+    yield "topk split path: positions", K._topk_split_pos_kernel, chunk, tc["split_warps"]
+    lst = dict(
+        NCH=tc["bisect"] // tc["split_chunk"], CHUNK=tc["split_chunk"], CAP=cap, THREADS=32 * tc["split_list_warps"],
+        TIE_BITS=15, N_P2=tc["bisect"], K_P2=2048, SLOTS=False, SORTED=False,
+    )  # fmt: skip
+    yield "topk split path: list, unsorted", K._topk_list_kernel, lst, tc["split_list_warps"]
+    yield "topk split path: list, sorted", K._topk_list_kernel, {**lst, "SORTED": True}, tc["split_list_warps"]
     yield (
         "topk k=2048 bisect, unsorted, 16-byte row loads (experiment)",
         K._topk_bisect_kernel,
@@ -158,7 +178,7 @@ def main() -> int:
         opt = extra[0] if extra else {}  # a register cap, and the spill bytes it is allowed
         tag = re.sub(r"[^a-z0-9]+", "_", name.lower())
         try:
-            ptrs = {"out_ptr": "*i32"} if kern in (K._topk_kernel, K._topk_bisect_kernel) else None
+            ptrs = {"out_ptr": "*i32"} if kern in (K._topk_kernel, K._topk_bisect_kernel, K._topk_list_kernel) else None
             tma_cap = kern is K._paged_tma_logits_kernel
             reg = opt.get("maxnreg") or (K.PAGED_CONFIG["tma_maxnreg"] if tma_cap else None)
             k = compile_one(kern, consts, warps, a.arch, ptrs, reg)

@@ -23,7 +23,34 @@ CASES = [  # (label, rows, n, k, dtype, sorted)
     ("64 x 32768 unsorted", 64, 32768, 2048, torch.float32, False),
     ("256 x 32768 bf16 unsorted", 256, 32768, 2048, torch.bfloat16, False),
     ("256 x 30000 unsorted", 256, 30000, 2048, torch.float32, False),
+    ("256 x 32768 ramp unsorted", 256, 32768, 2048, "ramp", False),
+    ("256 x 32768 recent block unsorted", 256, 32768, 2048, "recent", False),
 ]
+
+
+def _rows(rows: int, n: int, dt) -> torch.Tensor:
+    """Random normal rows; ``"ramp"``: plus a rise of 4 along the row (later positions score higher);
+    ``"recent"``: the last 1024 positions 3 higher (a block of recent tokens above the rest)."""
+    x = torch.randn(rows, n, device="cuda")
+    if dt == "ramp":
+        return x + torch.linspace(0, 4, n, device="cuda")
+    if dt == "recent":
+        x[:, -1024:] += 3
+        return x
+    return x.to(dt)
+
+
+def _flagged_rows(x: torch.Tensor, k: int, srt: bool) -> int | None:
+    """How many rows the split path (when this config takes it) leaves to the register path."""
+    cfg = K._topk_config(None)
+    rows, n = x.shape
+    if not getattr(K, "_launch_topk_split", None) or not cfg.get("split") or n < cfg["split"]:
+        return None
+    k_p2, n_p2 = 1 << (k - 1).bit_length(), 1 << (n - 1).bit_length()
+    out = torch.empty(rows, k, dtype=torch.int32, device=x.device)
+    scr = torch.empty(rows, k_p2, dtype=torch.int64, device=x.device)
+    flags, _pdl = K._launch_topk_split(x, None, None, out, scr, k, k_p2, n_p2, out, False, 1, 1, srt, cfg)
+    return int(flags.sum())
 
 
 def main(argv=None) -> int:
@@ -36,7 +63,7 @@ def main(argv=None) -> int:
     base = dict(K.TOPK_CONFIG)
     res = []
     for label, rows, n, k, dt, srt in CASES:
-        x = torch.randn(rows, n, device="cuda").to(dt)
+        x = _rows(rows, n, dt)
         want = None
         for cfg in configs:
             unknown = set(cfg) - set(base)
@@ -52,8 +79,12 @@ def main(argv=None) -> int:
             call = lambda x=x, k=k, srt=srt: flash_mla.topk_indices(x, k, sorted=srt)  # noqa: E731
             us = harness.graph_replay_us(lambda i, call=call: call, 1, a.quick)
             res.append(dict(case=label, config=cfg, us_graph=us, same_set=ok))
+            flagged = _flagged_rows(x, k, srt)
+            res[-1]["flagged_rows"] = flagged
             print(
-                f"{label:28s} {json.dumps(cfg):40s} {us:8.1f} us  {'same set' if ok else 'DIFFERENT SET'}", flush=True
+                f"{label:28s} {json.dumps(cfg):40s} {us:8.1f} us  {'same set' if ok else 'DIFFERENT SET'}"
+                + ("" if flagged is None else f"  split path: {flagged} of {rows} rows flagged"),
+                flush=True,
             )
     K.TOPK_CONFIG.clear()
     K.TOPK_CONFIG.update(base)

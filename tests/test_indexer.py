@@ -1172,3 +1172,98 @@ def test_topk_register_path_under_a_register_cap(maxnreg):
         if getattr(c.metadata, "maxnreg", None) == maxnreg
     ]
     assert capped and all(c.n_regs <= maxnreg for c in capped), [(c.metadata.maxnreg, c.n_regs) for c in capped]
+
+
+# the split path at interpreter sizes: chunks of 64 entries, lists of up to 2 x k (at least 64), a 64-entry sample
+SPLIT_SMALL = {
+    "split": 256, "split_chunk": 64, "split_warps": 1, "split_list_warps": 2, "split_cap": 2, "split_sample": 64,
+    "bisect": 4096, "bisect_warps": 4,
+}  # fmt: skip
+
+
+def _split_rows(n: int, levels: int, g: torch.Generator) -> torch.Tensor:
+    """Rows the split path must get right: tied values, distinct values, a ramp (the best at the
+    end), a block of recent positions above the rest, one value everywhere (more than the list)."""
+    x = torch.randint(0, levels, (6, n), generator=g).float() - levels / 2
+    x[1] = torch.randn(n, generator=g)
+    x[2] = torch.randn(n, generator=g) + torch.linspace(0, 6, n)
+    x[3] = torch.randn(n, generator=g)
+    x[3, -max(n // 16, 1) :] += 4
+    x[4] = 0.25
+    x[5] = -torch.arange(n).float()  # the best at the start
+    return x
+
+
+@pytest.mark.skipif(not KERNELS, reason="runs the Triton kernels (a GPU or TRITON_INTERPRET=1)")
+@settings(max_examples=8, deadline=None)
+@given(
+    st.integers(256, 1500),  # n (every row takes the split path: n >= SPLIT_SMALL["split"])
+    st.integers(1, 200),  # k
+    st.integers(1, 30),  # distinct levels of row 0
+    st.booleans(),  # specials (NaN, +-inf, -0.0)
+    st.booleans(),  # a block table (cache slots)
+    st.integers(0, 2**31 - 1),  # seed
+)
+def test_topk_split_path_random_rows_match_twin(n, k, levels, specials, slots, seed):
+    # the split path (threshold from a sample, positions by chunk, the list, the register path for
+    # flagged rows) on rows of every kind and random ranges: rank order equal to the twin, no
+    # order the same set, the same order on a second call, slots through a block table
+    from sparse_mla.indexer.kernels import launch_topk
+
+    g = torch.Generator().manual_seed(seed)
+    x = _split_rows(n, levels, g)
+    rows = x.shape[0]
+    if specials:
+        for v in (float("nan"), float("inf"), float("-inf"), -0.0):
+            x[torch.rand(rows, n, generator=g) < 0.03] = v
+    lo = torch.randint(-3, n // 4 + 1, (rows,), generator=g)
+    hi = lo + torch.randint(0, n + 4, (rows,), generator=g)
+    lo[:3], hi[:3] = 0, n
+    lo_d, hi_d = lo.clamp(0, n).to(DEVICE), torch.maximum(hi.clamp(0, n), lo.clamp(0, n)).to(DEVICE)
+    want = topk_indices_reference(x, k, lo_d.cpu(), hi_d.cpu())
+    kk = min(k, n)
+    kk_p2 = 1 << (kk - 1).bit_length()
+    table, pbs = None, 1
+    if slots:
+        pbs = 16
+        table = torch.randint(-1, 100, (rows, n // pbs), generator=g, dtype=torch.int32)  # the last entries unmapped
+        want = abs_indices_to_kvcache_indices(want.view(rows, 1, k), table, pbs).view(rows, k)
+        table = table.to(DEVICE)
+    out = torch.full((rows, k), -7, dtype=torch.int32, device=DEVICE)
+    launch_topk(x.to(DEVICE), lo_d, hi_d, out, k, kk, table, pbs, config=SPLIT_SMALL)
+    assert torch.equal(out.cpu()[:, :kk_p2], want[:, :kk_p2])
+    unsorted = [torch.full((rows, k), -7, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    for u in unsorted:
+        launch_topk(x.to(DEVICE), lo_d, hi_d, u, k, kk, table, pbs, config=SPLIT_SMALL, ordered=False)
+    # (as multisets: slots repeat where table entries do)
+    assert torch.equal(unsorted[0].cpu()[:, :kk_p2].sort(-1).values, want[:, :kk_p2].sort(-1).values)
+    assert torch.equal(unsorted[0][:, :kk_p2], unsorted[1][:, :kk_p2])
+
+
+@needs_kernels
+def test_topk_split_path_lists_and_flags():
+    # which rows the split path finishes itself and which it leaves to the register path: rows of
+    # distinct values (a sample judges them) on the list, a row of one value (more candidates than
+    # the list holds) and a row whose top keys the sample misses flagged; the answer right for all
+    from sparse_mla.indexer import kernels as K
+
+    g = torch.Generator().manual_seed(3)
+    n, k = 1024, 40
+    x = _split_rows(n, 8, g)
+    x[0] = torch.randn(n, generator=g)  # distinct values
+    x[4] = 0.25  # one value: 1024 candidates > the list's 128
+    x[5] = torch.randn(n, generator=g)
+    x[5, 1::16] += 10  # 64 top keys between the sample's segments (16 entries every 16): the sample sees none
+    cfg = K._topk_config(SPLIT_SMALL)
+    k_p2, n_p2 = 64, 1024
+    xd = x.to(DEVICE)
+    out = torch.full((6, k), -7, dtype=torch.int32, device=DEVICE)
+    scr = torch.empty(6, k_p2, dtype=torch.int64, device=DEVICE)
+    flags, _pdl = K._launch_topk_split(xd, None, None, out, scr, k, k_p2, n_p2, out, False, 1, 1, False, cfg)
+    assert flags.cpu().tolist() == [0, 0, 0, 0, 1, 1]
+    want = topk_indices_reference(x, k, None, None)
+    assert same_index_sets(out[:4].cpu(), want[:4])
+    got = torch.empty(6, k, dtype=torch.int32, device=DEVICE)
+    K.launch_topk(xd, None, None, got, k, k, config=SPLIT_SMALL, ordered=False)
+    assert same_index_sets(got.cpu(), want)
+    assert torch.equal(got[:4].cpu(), out[:4].cpu())  # the register path leaves the list's rows alone

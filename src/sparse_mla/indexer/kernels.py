@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..decode.portable import e4m3_decode_exact
-from ..runtime import cdiv, cuda_num_sms, interpreting, next_pow2, require_runnable
+from ..runtime import cdiv, cuda_num_sms, interpreting, next_pow2, pdl_enabled, require_runnable
 from ..serving.index_convert import table_slots
 from ..serving.store import _e4m3_rtne_bits, ceil_log2_div448, slot_records
 from .checks import check_tensor_arg, index_cache_geometry
@@ -1039,29 +1039,42 @@ def _finish_from_list(
         c_pos = tl.load(cand.to(tl.pointer_type(tl.int32)) + c_off, mask=c_valid, other=0)
         c_key, c_ukey = _load_keys(row_ptr, c_pos.to(tl.int64), c_valid)
         c_ukey = tl.where(c_valid, c_ukey, 0)
-        kth, cnt, b = _bisect_down(c_ukey, kth, cnt, b, kk, kk)
-        # the entries above the k-th key, and of those equal to it the `need` lowest positions
-        # (tie key N_P2 - position among them, 0 for the rest: the largest `need` of it)
-        n_gt = tl.sum((c_ukey > kth).to(tl.int32))
-        eq = c_valid & (c_ukey == kth)
-        tie = tl.where(eq, N_P2 - c_pos, 0).to(tl.uint32)
-        cut = tl.zeros([], tl.uint32)
-        if cnt > kk:  # (only when all 32 bits are found: then kk > n_gt)
-            b = tl.full([], 31 - TIE_BITS, tl.int32)  # tie keys are at most N_P2
-            cut, _c, _b = _bisect_down(tie, cut, cnt - n_gt, b, kk - n_gt, kk - n_gt)
-        take = (c_ukey > kth) | (eq & (tie >= cut))
-        if STOP == 0:
-            slots = _column_slots(take, THREADS)
-            if DIRECT:
-                out_row, k, bt_row, n_log, pbs = emit
-                res = c_pos.to(tl.int64)
-                if SLOTS:
-                    res = table_slots(res, bt_row, 1, n_log, pbs, take)
-                tl.store(out_row + slots, res.to(tl.int32), mask=take)
-                rank = tl.arange(0, K_P2)
-                tl.store(out_row + rank, tl.full([K_P2], -1, tl.int32), mask=(rank >= kk) & (rank < k))
-            else:
-                tl.store(scr + slots, _rank_keys(c_key, c_pos), mask=take)
+        _finish_keys(c_pos, c_valid, c_key, c_ukey, cnt, kth, b, kk, scr, emit, THREADS, TIE_BITS, N_P2,
+                     STOP == 0, DIRECT, SLOTS, K_P2)  # fmt: skip
+
+
+@triton.jit
+def _finish_keys(
+    c_pos, c_valid, c_key, c_ukey, cnt, kth, b, kk, scr, emit, THREADS: tl.constexpr, TIE_BITS: tl.constexpr,
+    N_P2: tl.constexpr, WRITE: tl.constexpr, DIRECT: tl.constexpr, SLOTS: tl.constexpr, K_P2: tl.constexpr,
+):  # fmt: skip
+    """:func:`_finish_from_list` on a list in registers (the layout of :func:`_scalar_positions`):
+    positions ``c_pos``, ``c_valid``, keys ``c_key`` / ``c_ukey`` (0 where not valid), ``cnt`` of
+    them at or above ``kth`` whose top ``b`` bits are the k-th key's. ``WRITE`` false: the bits only
+    (a timing stop)."""
+    kth, cnt, b = _bisect_down(c_ukey, kth, cnt, b, kk, kk)
+    # the entries above the k-th key, and of those equal to it the `need` lowest positions
+    # (tie key N_P2 - position among them, 0 for the rest: the largest `need` of it)
+    n_gt = tl.sum((c_ukey > kth).to(tl.int32))
+    eq = c_valid & (c_ukey == kth)
+    tie = tl.where(eq, N_P2 - c_pos, 0).to(tl.uint32)
+    cut = tl.zeros([], tl.uint32)
+    if cnt > kk:  # (only when all 32 bits are found: then kk > n_gt)
+        b = tl.full([], 31 - TIE_BITS, tl.int32)  # tie keys are at most N_P2
+        cut, _c, _b = _bisect_down(tie, cut, cnt - n_gt, b, kk - n_gt, kk - n_gt)
+    take = (c_ukey > kth) | (eq & (tie >= cut))
+    if WRITE:
+        slots = _column_slots(take, THREADS)
+        if DIRECT:
+            out_row, k, bt_row, n_log, pbs = emit
+            res = c_pos.to(tl.int64)
+            if SLOTS:
+                res = table_slots(res, bt_row, 1, n_log, pbs, take)
+            tl.store(out_row + slots, res.to(tl.int32), mask=take)
+            rank = tl.arange(0, K_P2)
+            tl.store(out_row + rank, tl.full([K_P2], -1, tl.int32), mask=(rank >= kk) & (rank < k))
+        else:
+            tl.store(scr + slots, _rank_keys(c_key, c_pos), mask=take)
 
 
 @triton.jit
@@ -1098,6 +1111,7 @@ def _topk_bisect_kernel(
     N_P2: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr, CAP: tl.constexpr, THREADS: tl.constexpr,
     TIE_BITS: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr, FOR_LOOP: tl.constexpr,
     STOP: tl.constexpr = 0, VEC: tl.constexpr = 1, PACK16: tl.constexpr = False, INSIDE: tl.constexpr = 0,
+    flag_ptr=None, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(rows,)``, rows of at most ``N_P2`` entries (``2^TIE_BITS``), ``THREADS`` threads a program: the row's
     keys read once into registers (entry ``i`` of thread ``t``: position ``i * THREADS + t``); the
@@ -1110,7 +1124,8 @@ def _topk_bisect_kernel(
     gathered order, the same on every call). More than ``CAP`` keys equal to the k-th (all 32 bits
     found) take the select pass over the row instead. ``STOP`` (timing only, wrong results): 1 ends
     after the top bits, 2 after the list, 3 before the output, 4 after the row's load (no bits). ``VEC`` 4 (an experiment, not yet
-    timed): 16-byte loads of the row (the list's scatter store then converts the layout)."""
+    timed): 16-byte loads of the row (the list's scatter store then converts the layout). ``flag_ptr``
+    (the split path's fallback, :func:`_topk_list_kernel`): only rows whose flag is set are done."""
     tl.static_assert(N_P2 % THREADS == 0 and CAP % THREADS == 0, "rows and lists fill every thread")
     tl.static_assert(not PACK16 or N_P2 >= 2 * THREADS, "two keys a thread to pack")
     r = tl.program_id(0)
@@ -1119,6 +1134,11 @@ def _topk_bisect_kernel(
     scr = scr_ptr + r.to(tl.int64) * stride_sr
     out_row = out_ptr + r.to(tl.int64) * stride_or
     written = tl.zeros([], tl.int32)
+    if flag_ptr is not None:  # (a row the split path finished: nothing to do)
+        if PDL:  # (a programmatic dependent of the list kernel, which writes the flags)
+            tl.extra.cuda.gdc_wait()
+        written = (tl.load(flag_ptr + r) == 0).to(tl.int32)
+        kk = tl.where(written == 0, kk, 0)
     if kk > 0:
         pos, valid, _key, ukey = _row_chunk(
             row_ptr, 0, lo, hi, N_P2, SCALAR=THREADS if VEC == 1 else 0, n_row=n, INSIDE=INSIDE
@@ -1147,6 +1167,150 @@ def _topk_bisect_kernel(
         _emit_topk(scr, r, kk, k, out_ptr, stride_or, bt_ptr, stride_bt, n_log, pbs, next_n, K_P2, SLOTS, SORTED)
 
 
+# ------------------------------------------------------------------------ top-k: the split path
+#
+# The register path holds a row of 32K in one program's registers: 256 such rows run as two waves
+# of one program an SM, each a chain of ~30 CTA-wide sums with the memory idle after the row's
+# load. The split path spreads the row's read over the whole GPU and keeps the chains short:
+# (1) ``_topk_threshold_kernel`` (one warp a row) bisects a fixed sample of the row (SAMPLE_G
+#     segments of SAMPLE_L entries evenly spread over ``[lo, hi)``) for a threshold ``T`` the
+#     row's keys should pass about ``(kk + CAP) / 2`` times (every valid key when the range holds
+#     at most ``CAP``);
+# (2) ``_topk_split_pos_kernel``, grid ``(rows, chunks)``, streams the row and writes the rank keys
+#     (key and position) of its keys at or above ``T``, in position order, into the chunk's part of
+#     a buffer, and their count (each launch after the first a programmatic dependent of the one
+#     before on Hopper, the threshold's letting the row loads start at once);
+# (3) ``_topk_list_kernel`` (one program a row) reads the row's counts: when ``kk <= count <=
+#     CAP`` (every key of the top ``kk`` is at or above ``T``: exact) it gathers the list, finds the
+#     k-th key on it (from the bits all candidates share) and writes the output as the register
+#     path's list does; otherwise it flags the row;
+# (4) ``_topk_bisect_kernel`` with ``flag_ptr`` does the flagged rows (none, unless the sample
+#     misjudged the row: ties spanning the threshold, or a row whose top keys the sample missed).
+# The result is the same as the register path's in every case (the same tie rule; the unsorted
+# order: the candidates' position order, the same on every call).
+
+
+@triton.jit
+def _topk_threshold_kernel(
+    x_ptr, stride_xr, lo_ptr, hi_ptr, t_ptr, n, k, CAP: tl.constexpr, SAMPLE_G: tl.constexpr,
+    SAMPLE_L: tl.constexpr, END: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid ``(rows,)``: ``t[r]`` (int32 bits of a uint32 key) the largest ``END``-bit prefix with at
+    least ``ceil(target * S / (hi - lo))`` of the row's ``S = SAMPLE_G * SAMPLE_L`` sample keys at or
+    above it, ``target = (kk + CAP) // 2``; 1 (every valid key) when ``hi - lo <= CAP``. ``PDL``: the
+    positions kernel (a programmatic dependent) may start at once: its row loads do not need ``t``."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    r = tl.program_id(0)
+    row_ptr = x_ptr + r.to(tl.int64) * stride_xr
+    lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
+    nv = hi - lo
+    t = tl.full([], 1, tl.uint32)
+    if nv > CAP:  # (CAP >= S: the segments are disjoint and inside [lo, hi))
+        S: tl.constexpr = SAMPLE_G * SAMPLE_L
+        seg = (tl.arange(0, SAMPLE_G) * nv) // SAMPLE_G
+        spos = tl.reshape(lo + seg[:, None] + tl.arange(0, SAMPLE_L)[None, :], [S])
+        _key, sukey = _load_keys(row_ptr, spos.to(tl.int64), spos < hi)
+        rs = ((kk + CAP) // 2 * S + nv - 1) // nv
+        kth, _c, _b = _bisect_down(sukey, tl.zeros([], tl.uint32), tl.full([], S, tl.int32), tl.zeros([], tl.int32),
+                                   rs, rs, END)  # fmt: skip
+        t = tl.maximum(kth, 1)
+    tl.store(t_ptr + r, t.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _topk_split_pos_kernel(
+    x_ptr, stride_xr, lo_ptr, hi_ptr, t_ptr, rk_ptr, stride_kr, cnt_ptr, stride_cr, n,
+    CHUNK: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid ``(rows, chunks)``: the rank keys (:func:`_rank_keys`: key and position, so that the list
+    needs no gathers from the row, which L2 no longer holds) of chunk ``c``'s valid keys at or above
+    ``t[r]``, in position order, at ``rk[r, c * CHUNK:]``, and their count at ``cnt[r, c]``. ``PDL``:
+    a programmatic dependent of :func:`_topk_threshold_kernel`, waiting for ``t`` after its loads."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    row_ptr = x_ptr + r.to(tl.int64) * stride_xr
+    lo, hi, _kk = _row_bounds(lo_ptr, hi_ptr, r, n, 1)
+    start = c * CHUNK
+    if start + CHUNK <= n:  # (every load inside the row: no masks, all of them in flight)
+        pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, CHUNK, THREADS, n, CHUNK // THREADS)
+    else:
+        pos, valid, key, ukey = _row_chunk(row_ptr, start, lo, hi, CHUNK, THREADS, n, 0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    t = tl.load(t_ptr + r).to(tl.uint32, bitcast=True)
+    sel = valid & (ukey >= t)
+    dst = rk_ptr + r.to(tl.int64) * stride_kr + start
+    tl.store(dst + _column_slots(sel, THREADS), _rank_keys(key, pos), mask=sel)
+    tl.store(cnt_ptr + r.to(tl.int64) * stride_cr + c, tl.sum(sel.to(tl.int32)))
+
+
+@triton.jit
+def _max_pair(a0, a1, b0, b1):
+    return tl.maximum(a0, b0), tl.maximum(a1, b1)
+
+
+@triton.jit
+def _topk_list_kernel(
+    lo_ptr, hi_ptr, rk_ptr, stride_kr, cnt_ptr, stride_cr, flag_ptr, scr_ptr, stride_sr,
+    out_ptr, stride_or, n, k, bt_ptr, stride_bt, n_log, pbs, next_n,
+    NCH: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, THREADS: tl.constexpr, TIE_BITS: tl.constexpr,
+    N_P2: tl.constexpr, K_P2: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr, STOP: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid ``(rows,)``: the row's list from :func:`_topk_split_pos_kernel` (``NCH`` chunks' parts,
+    in position order) when it holds ``kk..CAP`` entries, finished as the register path's list
+    (:func:`_finish_keys`) from the bits every entry shares; ``flag[r]`` 1 (the list does not hold
+    the top ``kk``, or exceeds ``CAP``: :func:`_topk_bisect_kernel` does the row) or 0. ``PDL``: a
+    programmatic dependent of the positions kernel."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    r = tl.program_id(0)
+    lo, hi, kk = _row_bounds(lo_ptr, hi_ptr, r, n, k)
+    scr = scr_ptr + r.to(tl.int64) * stride_sr
+    out_row = out_ptr + r.to(tl.int64) * stride_or
+    flag = tl.zeros([], tl.int32)
+    written = tl.zeros([], tl.int32)
+    if kk > 0:
+        # list entry i lies in the chunk part holding it: i plus the unused slots of the parts before
+        i, _off = _scalar_positions(0, (kk > 0).to(tl.int32), CAP, THREADS)
+        off = i
+        total = tl.zeros([], tl.int32)
+        prev = tl.zeros([], tl.int32)
+        for c in tl.static_range(NCH):
+            cnt_c = tl.load(cnt_ptr + r.to(tl.int64) * stride_cr + c)
+            if c > 0:
+                off += tl.where(i >= total, CHUNK - prev, 0)
+            prev = cnt_c
+            total += cnt_c
+        if (total >= kk) & (total <= CAP):
+            c_valid = i < total
+            comp = tl.load(rk_ptr + r.to(tl.int64) * stride_kr + off, mask=c_valid, other=0)
+            hi32 = comp >> 32
+            c_key = hi32.to(tl.int32)
+            c_pos = (4294967295 - (comp - (hi32 << 32))).to(tl.int32)
+            c_ukey = tl.where(c_valid, (c_key ^ -2147483648).to(tl.uint32, bitcast=True), 0)
+            # the top bits every entry shares are the k-th key's
+            ones = tl.full([], 0xFFFFFFFF, tl.uint32)  # (`~` on uint32 fails in Triton's interpreter)
+            mx, nmn = tl.reduce((c_ukey, tl.where(c_valid, c_ukey ^ ones, 0)), 0, _max_pair)
+            diff = mx ^ nmn ^ ones
+            b = tl.zeros([], tl.int32)
+            while (b < 32) & (((diff << tl.minimum(b, 31).to(tl.uint32)) & 0x80000000) == 0):
+                b += 1
+            kth = tl.where(b >= 32, mx, mx & ((ones >> tl.minimum(b, 31).to(tl.uint32)) ^ ones))
+            emit = (out_row, k, bt_ptr + (r // next_n).to(tl.int64) * stride_bt, n_log, pbs)
+            _finish_keys(c_pos, c_valid, c_key, c_ukey, total, kth, b, kk, scr, emit, THREADS, TIE_BITS, N_P2,
+                         STOP == 0, not SORTED, SLOTS, K_P2)  # fmt: skip
+            if not SORTED:
+                written += 1
+        else:
+            flag += 1
+            written += 1
+    tl.store(flag_ptr + r, flag)
+    if written == 0:
+        _emit_topk(scr, r, kk, k, out_ptr, stride_or, bt_ptr, stride_bt, n_log, pbs, next_n, K_P2, SLOTS, SORTED)
+
+
 #: launch parameters of the top-k: ``bisect``: rows of at most this many entries (rounded up to a
 #: power of two) take :func:`_topk_bisect_kernel` (the row in one program's registers; 0: never), with
 #: up to ``bisect_warps`` warps (fewer for short rows: one per 2048 entries, at least 4) and a list
@@ -1165,9 +1329,16 @@ def _topk_bisect_kernel(
 #: select pass). H200 sweep (``benchmarks/indexer_sweep.py --only topk``, 256 x 32K, k 2048, kernel
 #: time, session 7): this default 223 us; 8 programs per SM 226; 4-warp final kernel 231-234;
 #: 4-bit levels 246; one kernel (compact 0) 289 (radix passes 198, select 52, sort 37).
+#: ``split``: rows of at least this many entries (and within ``bisect``) take the split path (0: never;
+#: measured faster at 30000 and 32768 entries, session 21; shorter rows not yet measured), with
+#: ``split_chunk`` entries per program of the positions kernel (``split_warps`` warps), a list of up
+#: to ``split_cap`` x k entries (``split_list_warps`` warps), a sample of ``split_sample`` entries
+#: (``split_sample_warps`` warps). H200 (256 x 32768, k 2048, graph, session 21): unsorted 42.5 us
+#: against the register path's 53.9, rank order 78.4 / 91.4; eager calls pay four launches.
 TOPK_CONFIG = dict(
     bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=4, hist_bits=8, split_block=2048, final_warps=8,
     bisect=32768, bisect_warps=16, bisect_cap=2, bisect_pack16=True, bisect_maxnreg=0,
+    split=24576, split_chunk=4096, split_warps=8, split_cap=2, split_list_warps=16, split_sample=2048, split_sample_warps=4,
 )  # fmt: skip
 _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 
@@ -1178,6 +1349,12 @@ _POW2 = {  # (block, split_block: the select packs two counts of a step into one
     "num_warps": (1, 32),
     "bisect_cap": (1, 64),
     "bisect_warps": (1, 32),
+    "split_chunk": (32, 32768),
+    "split_warps": (1, 32),
+    "split_cap": (1, 64),
+    "split_list_warps": (1, 32),
+    "split_sample": (1, 4096),
+    "split_sample_warps": (1, 32),
 }
 
 
@@ -1223,6 +1400,7 @@ def _check_topk_config(config) -> dict:
         ("programs_per_sm", 1 <= cfg["programs_per_sm"] <= 64, "must be from 1 to 64"),
         ("final_warps", cfg["final_warps"] in (0, 1, 2, 4, 8, 16, 32), "must be 0 (num_warps) or a power of two up to 32"),
         ("bisect", 0 <= cfg["bisect"] <= 32768, "must be from 0 (never) to 32768"),
+        ("split", cfg["split"] >= 0, "must be >= 0 (0 = never)"),
         ("bisect_maxnreg", cfg["bisect_maxnreg"] == 0 or 16 <= cfg["bisect_maxnreg"] <= 255, "must be 0 (the compiler's) or from 16 to 255"),
         ("profile", cfg["profile"] in (0, 1, 2, 3, 4), "must be 0 (off) or a timing stop 1-4 (the radix path has 1-2; more acts as 2)"),
     )  # fmt: skip
@@ -1264,6 +1442,41 @@ def _check_topk_launch(logits, lo, hi, out, k, kk, table, page_block_size, next_
             raise ValueError(f"table: expected on {logits.device}, got {table.device}")
 
 
+def _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, page_block_size, next_n, ordered, cfg):
+    """The split path's three launches (:func:`_topk_threshold_kernel`, :func:`_topk_split_pos_kernel`,
+    :func:`_topk_list_kernel`); returns the rows' flags ``[rows]`` int32 for the register path and
+    whether the launches are programmatic dependents (PDL: then so must the register path's be)."""
+    rows, n = logits.shape
+    sw, lw = 32 * cfg["split_warps"], 32 * cfg["split_list_warps"]
+    chunk = max(min(cfg["split_chunk"], n_p2), sw)
+    nch = cdiv(n, chunk)
+    cap = min(n_p2, max(k_p2 * cfg["split_cap"], lw))  # (a power of two: a multiple of lw)
+    cap = max(cap, lw)
+    sample = min(cfg["split_sample"], cap)
+    groups = min(64, sample)
+    rk = torch.empty((rows, nch * chunk), dtype=torch.int64, device=logits.device)  # (written sparsely)
+    ws = torch.empty(rows * (nch + 2), dtype=torch.int32, device=logits.device)
+    cnt = ws[: rows * nch].view(rows, nch)
+    thr, flags = ws[rows * nch :].view(2, rows)
+    pdl = pdl_enabled(logits.device)
+    _topk_threshold_kernel[(rows,)](
+        logits, logits.stride(0), lo, hi, thr, n, k, CAP=cap, SAMPLE_G=groups, SAMPLE_L=sample // groups, END=20,
+        PDL=pdl, num_warps=cfg["split_sample_warps"],
+    )  # fmt: skip
+    _topk_split_pos_kernel[(rows, nch)](
+        logits, logits.stride(0), lo, hi, thr, rk, rk.stride(0), cnt, cnt.stride(0), n, CHUNK=chunk, THREADS=sw,
+        PDL=pdl, num_warps=cfg["split_warps"], **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+    _topk_list_kernel[(rows,)](
+        lo, hi, rk, rk.stride(0), cnt, cnt.stride(0), flags, scratch, scratch.stride(0),
+        out, out.stride(0), n, k, bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size,
+        next_n, NCH=nch, CHUNK=chunk, CAP=cap, THREADS=lw, TIE_BITS=n_p2.bit_length() - 1, N_P2=n_p2, K_P2=k_p2,
+        SLOTS=slots, SORTED=bool(ordered), PDL=pdl, num_warps=cfg["split_list_warps"],
+        **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+    return flags, pdl
+
+
 def launch_topk(
     logits, lo, hi, out, k, kk, table=None, page_block_size=1, next_n=1, config=None, ordered=True, *, _checked=False
 ) -> None:
@@ -1284,7 +1497,8 @@ def launch_topk(
         _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
         _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel, _bisect_down, _column_slots, _rank_keys,
         _scalar_positions, _bisect_down16, _f16x2_ge, _f16x2_add, _f16x2_lanes, _pair_lanes, _bisect_packed,
-        _finish_from_list, _list_or_select, _load_keys,
+        _finish_from_list, _list_or_select, _load_keys, _finish_keys, _topk_threshold_kernel, _topk_split_pos_kernel,
+        _topk_list_kernel, _max_pair,
     )  # fmt: skip
     rows, n = logits.shape
     if rows == 0:
@@ -1307,6 +1521,10 @@ def launch_topk(
         cap = min(n_p2, max(k_p2 * cfg["bisect_cap"], k_p2, 32 * warps))
         ws = torch.empty((rows, k_p2 + cap), dtype=torch.int64, device=logits.device)
         scratch, cand = ws[:, :k_p2], ws[:, k_p2:]
+        flags, pdl = None, False
+        if cfg["split"] and n >= cfg["split"]:  # the split path; the register path does the rows it flags
+            flags, pdl = _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, page_block_size,
+                                       next_n, ordered, cfg)  # fmt: skip
         _topk_bisect_kernel[(rows,)](
             logits, logits.stride(0), lo, hi, scratch, scratch.stride(0), out, out.stride(0), n, k,
             bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
@@ -1314,6 +1532,7 @@ def launch_topk(
             N_P2=n_p2, BLOCK=block, K_P2=k_p2, CAP=cap, THREADS=32 * warps, TIE_BITS=n_p2.bit_length() - 1, SLOTS=slots, SORTED=bool(ordered),
             FOR_LOOP=for_loop, STOP=cfg["profile"], VEC=vec, PACK16=cfg["bisect_pack16"] and vec == 1 and n_p2 >= 64 * warps,
             INSIDE=0 if vec != 1 else (n_p2 if n == n_p2 else n_p2 // 2 if 2 * n > n_p2 else 0) // (32 * warps),
+            flag_ptr=flags, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
             num_warps=warps, **({"maxnreg": cfg["bisect_maxnreg"]} if cfg["bisect_maxnreg"] and not interpreting() else {}),
         )  # fmt: skip
         return
