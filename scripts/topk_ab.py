@@ -16,6 +16,7 @@ import torch
 import sparse_mla as flash_mla
 from benchmarks import harness
 from sparse_mla.indexer import kernels as K
+from sparse_mla.runtime import next_pow2
 
 CASES = [  # (label, rows, n, k, dtype, sorted)
     ("256 x 32768 unsorted", 256, 32768, 2048, torch.float32, False),
@@ -46,7 +47,7 @@ def _flagged_rows(x: torch.Tensor, k: int, srt: bool) -> int | None:
     rows, n = x.shape
     if not getattr(K, "_launch_topk_split", None) or not cfg.get("split") or n < cfg["split"]:
         return None
-    k_p2, n_p2 = 1 << (k - 1).bit_length(), 1 << (n - 1).bit_length()
+    k_p2, n_p2 = next_pow2(k), next_pow2(n)
     out = torch.empty(rows, k, dtype=torch.int32, device=x.device)
     scr = torch.empty(rows, k_p2, dtype=torch.int64, device=x.device)
     flags, _pdl = K._launch_topk_split(x, None, None, out, scr, k, k_p2, n_p2, out, False, 1, 1, srt, cfg)

@@ -619,16 +619,21 @@ def _rank_keys(key, pos):
 
 
 @triton.jit
+def _unrank(comp):
+    """:func:`_rank_keys` undone: ``(pos, key, ukey)`` (int32, signed and unsigned 32-bit keys)."""
+    hi32 = comp >> 32
+    key = hi32.to(tl.int32)
+    pos = (4294967295 - (comp - (hi32 << 32))).to(tl.int32)
+    return pos, key, (key ^ -2147483648).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def _cand_chunk(cand, start, n_c, BLOCK: tl.constexpr):
     """Entries ``[start, start + BLOCK)`` of a candidate list of rank keys (``n_c`` long) as
     ``_row_chunk`` gives a row's: ``(pos, valid, key, ukey)``."""
     i = start + tl.arange(0, BLOCK)
     valid = i < n_c
-    comp = tl.load(cand + i, mask=valid, other=0)
-    hi32 = comp >> 32
-    key = hi32.to(tl.int32)
-    pos = (4294967295 - (comp - (hi32 << 32))).to(tl.int32)
-    ukey = (key ^ -2147483648).to(tl.uint32, bitcast=True)
+    pos, key, ukey = _unrank(tl.load(cand + i, mask=valid, other=0))
     return pos, valid, key, ukey
 
 
@@ -1172,7 +1177,7 @@ def _topk_bisect_kernel(
 # The register path holds a row of 32K in one program's registers: 256 such rows run as two waves
 # of one program an SM, each a chain of ~30 CTA-wide sums with the memory idle after the row's
 # load. The split path spreads the row's read over the whole GPU and keeps the chains short:
-# (1) ``_topk_threshold_kernel`` (one warp a row) bisects a fixed sample of the row (SAMPLE_G
+# (1) ``_topk_threshold_kernel`` (one program a row) bisects a fixed sample of the row (SAMPLE_G
 #     segments of SAMPLE_L entries evenly spread over ``[lo, hi)``) for a threshold ``T`` the
 #     row's keys should pass about ``(kk + CAP) / 2`` times (every valid key when the range holds
 #     at most ``CAP``);
@@ -1186,8 +1191,9 @@ def _topk_bisect_kernel(
 #     path's list does; otherwise it flags the row;
 # (4) ``_topk_bisect_kernel`` with ``flag_ptr`` does the flagged rows (none, unless the sample
 #     misjudged the row: ties spanning the threshold, or a row whose top keys the sample missed).
-# The result is the same as the register path's in every case (the same tie rule; the unsorted
-# order: the candidates' position order, the same on every call).
+# The set is the same as the register path's in every case (the same tie rule); the unsorted order
+# is the same on every call, but not the register path's (the list's slots are taken thread by
+# thread, :func:`_column_slots`, over other layouts).
 
 
 @triton.jit
@@ -1285,11 +1291,8 @@ def _topk_list_kernel(
             total += cnt_c
         if (total >= kk) & (total <= CAP):
             c_valid = i < total
-            comp = tl.load(rk_ptr + r.to(tl.int64) * stride_kr + off, mask=c_valid, other=0)
-            hi32 = comp >> 32
-            c_key = hi32.to(tl.int32)
-            c_pos = (4294967295 - (comp - (hi32 << 32))).to(tl.int32)
-            c_ukey = tl.where(c_valid, (c_key ^ -2147483648).to(tl.uint32, bitcast=True), 0)
+            c_pos, c_key, c_ukey = _unrank(tl.load(rk_ptr + r.to(tl.int64) * stride_kr + off, mask=c_valid, other=0))
+            c_ukey = tl.where(c_valid, c_ukey, 0)
             # the top bits every entry shares are the k-th key's
             ones = tl.full([], 0xFFFFFFFF, tl.uint32)  # (`~` on uint32 fails in Triton's interpreter)
             mx, nmn = tl.reduce((c_ukey, tl.where(c_valid, c_ukey ^ ones, 0)), 0, _max_pair)
@@ -1450,8 +1453,7 @@ def _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, p
     sw, lw = 32 * cfg["split_warps"], 32 * cfg["split_list_warps"]
     chunk = max(min(cfg["split_chunk"], n_p2), sw)
     nch = cdiv(n, chunk)
-    cap = min(n_p2, max(k_p2 * cfg["split_cap"], lw))  # (a power of two: a multiple of lw)
-    cap = max(cap, lw)
+    cap = max(min(n_p2, k_p2 * cfg["split_cap"]), lw)  # (powers of two: a multiple of lw)
     sample = min(cfg["split_sample"], cap)
     groups = min(64, sample)
     rk = torch.empty((rows, nch * chunk), dtype=torch.int64, device=logits.device)  # (written sparsely)
@@ -1498,7 +1500,7 @@ def launch_topk(
         _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel, _bisect_down, _column_slots, _rank_keys,
         _scalar_positions, _bisect_down16, _f16x2_ge, _f16x2_add, _f16x2_lanes, _pair_lanes, _bisect_packed,
         _finish_from_list, _list_or_select, _load_keys, _finish_keys, _topk_threshold_kernel, _topk_split_pos_kernel,
-        _topk_list_kernel, _max_pair,
+        _topk_list_kernel, _max_pair, _unrank,
     )  # fmt: skip
     rows, n = logits.shape
     if rows == 0:
