@@ -26,6 +26,9 @@ CASES = [  # (label, rows, n, k, dtype, sorted)
     ("256 x 30000 unsorted", 256, 30000, 2048, torch.float32, False),
     ("256 x 32768 ramp unsorted", 256, 32768, 2048, "ramp", False),
     ("256 x 32768 recent block unsorted", 256, 32768, 2048, "recent", False),
+    ("256 x 16384 unsorted", 256, 16384, 2048, torch.float32, False),
+    ("256 x 12288 unsorted", 256, 12288, 2048, torch.float32, False),
+    ("256 x 8192 unsorted", 256, 8192, 2048, torch.float32, False),
 ]
 
 

@@ -1333,15 +1333,19 @@ def _topk_list_kernel(
 #: time, session 7): this default 223 us; 8 programs per SM 226; 4-warp final kernel 231-234;
 #: 4-bit levels 246; one kernel (compact 0) 289 (radix passes 198, select 52, sort 37).
 #: ``split``: rows of at least this many entries (and within ``bisect``) take the split path (0: never;
-#: measured faster at 30000 and 32768 entries, session 21; shorter rows not yet measured), with
+#: H200, 256 rows, k 2048, unsorted, graph, session 22: 38.4 / 37.7 / 38.2 us at 8192 / 12288 / 16384
+#: entries against the register path's 38.9 / 47.6 / 44.4; shorter rows not measured), with
 #: ``split_chunk`` entries per program of the positions kernel (``split_warps`` warps), a list of up
 #: to ``split_cap`` x k entries (``split_list_warps`` warps), a sample of ``split_sample`` entries
 #: (``split_sample_warps`` warps). H200 (256 x 32768, k 2048, graph, session 21): unsorted 42.5 us
-#: against the register path's 53.9, rank order 78.4 / 91.4; eager calls pay four launches.
+#: against the register path's 53.9, rank order 78.4 / 91.4; eager calls pay four launches. Session 22:
+#: 8192-entry chunks (8 or 16 warps) 52-53 us, 2048-entry chunks of 4 warps 45.9 (against 44.8 in
+#: that build); the list's and sample's bisection two bits a step (three counts from one reduction)
+#: 44.8 against 42.1 (the list kernel 17.0 -> 19.2 us: docs/experiments/topk_two_bits.patch).
 TOPK_CONFIG = dict(
     bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=4, hist_bits=8, split_block=2048, final_warps=8,
     bisect=32768, bisect_warps=16, bisect_cap=2, bisect_pack16=True, bisect_maxnreg=0,
-    split=24576, split_chunk=4096, split_warps=8, split_cap=2, split_list_warps=16, split_sample=2048, split_sample_warps=4,
+    split=8192, split_chunk=4096, split_warps=8, split_cap=2, split_list_warps=16, split_sample=2048, split_sample_warps=4,
 )  # fmt: skip
 _MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
 

@@ -6,7 +6,7 @@ after ``-inf``; ``-0.0`` equals ``+0.0``. Only positions in a row's ``[row_start
 last entries. Implementation: each logit becomes one int64 rank key (the float's order-preserving
 32 bits above the inverted position), all distinct, so the set is exact with no tie ambiguity.
 On CUDA (and under the interpreter) Triton kernels (:func:`.kernels.launch_topk`) find the row's
-k-th best 32-bit key. A row of 24576 to 32768 entries takes the split path: a threshold from a
+k-th best 32-bit key. A row of 8192 to 32768 entries takes the split path: a threshold from a
 fixed sample of the row, the rank keys at or above it streamed out by chunk programs, one program
 a row finishing the k-th key on that list, and (rows the sample misjudges) the register path below.
 A row of up to 32768 entries is read once into one program's registers and
