@@ -12,6 +12,8 @@ timeout 150 python3 -m sparse_mla serve-sim --device cuda --indexer --no-progres
   | grep -v Warn | tail -12 | tee -a $L
 echo "== public benchmark" | tee -a $L
 timeout 150 python3 -m benchmarks.indexer --quick --json $OUT/indexer_session22.json 2>&1 | grep -v Warn | tail -14 | tee -a $L
+echo "== public benchmark, Triton launches (SPARSE_MLA_DIRECT_LAUNCH=0)" | tee -a $L
+SPARSE_MLA_DIRECT_LAUNCH=0 timeout 150 python3 -m benchmarks.indexer --quick --json $OUT/indexer_session22_tritonlaunch.json 2>&1 | grep -v Warn | tail -14 | tee -a $L
 echo "== ncu source page of the list kernel" | tee -a $L
 timeout 120 ncu --clock-control none -k regex:_topk_list -s 1 -c 1 --set full --import-source yes -o /tmp/rep \
   python3 scripts/ncu_indexer.py topk_unsorted > $OUT/ncu_run.log 2>&1

@@ -1267,3 +1267,37 @@ def test_topk_split_path_lists_and_flags():
     K.launch_topk(xd, None, None, got, k, k, config=SPLIT_SMALL, ordered=False)
     assert same_index_sets(got.cpu(), want)
     assert torch.equal(got[:4].cpu(), out[:4].cpu())  # the register path leaves the list's rows alone
+
+
+@pytest.mark.skipif(
+    not ON_GPU, reason="the direct launcher runs compiled kernels (the interpreter takes Triton's path)"
+)
+@pytest.mark.parametrize("n", [8192, 4096])  # the split path (its four launches), the register path
+def test_topk_repeated_calls_through_the_direct_launcher(n, monkeypatch):
+    # the second and later calls of a shape go straight to the compiled kernels with the new
+    # call's tensors (other logits, other output buffers): the same sets as the twin each time,
+    # and the same as Triton's own launch path
+    from sparse_mla.decode import launcher
+
+    g = torch.Generator().manual_seed(n)
+    xs = [torch.randn(5, n, generator=g) for _ in range(3)]
+    lo = torch.tensor([0, 3, 100, 0, 7], dtype=torch.int32)
+    hi = torch.tensor([n, n - 5, n, 3000, n // 2], dtype=torch.int32)
+    got = []
+    for x in xs:
+        for ordered in (True, False):
+            out = flash_mla.topk_indices(
+                x.to(DEVICE), 300, row_starts=lo.to(DEVICE), row_ends=hi.to(DEVICE), sorted=ordered
+            )
+            want = topk_indices_reference(x, 300, lo, hi)
+            if ordered:
+                assert torch.equal(out.cpu(), want)
+            else:
+                assert same_index_sets(out.cpu(), want)
+            got.append(out.cpu())
+    assert launcher.direct_launch_enabled()
+    monkeypatch.setenv("SPARSE_MLA_DIRECT_LAUNCH", "0")
+    again = flash_mla.topk_indices(
+        xs[-1].to(DEVICE), 300, row_starts=lo.to(DEVICE), row_ends=hi.to(DEVICE), sorted=False
+    )
+    assert torch.equal(again.cpu(), got[-1])

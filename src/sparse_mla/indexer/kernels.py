@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..decode.launcher import launch as launch_kernel
 from ..decode.portable import e4m3_decode_exact
 from ..runtime import cdiv, cuda_num_sms, interpreting, next_pow2, pdl_enabled, require_runnable
 from ..serving.index_convert import table_slots
@@ -1112,11 +1113,11 @@ def _list_or_select(
 @triton.jit
 def _topk_bisect_kernel(
     x_ptr, stride_xr, lo_ptr, hi_ptr, scr_ptr, stride_sr, out_ptr, stride_or, n, k,
-    bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr,
+    bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr, flag_ptr,
     N_P2: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr, CAP: tl.constexpr, THREADS: tl.constexpr,
     TIE_BITS: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr, FOR_LOOP: tl.constexpr,
     STOP: tl.constexpr = 0, VEC: tl.constexpr = 1, PACK16: tl.constexpr = False, INSIDE: tl.constexpr = 0,
-    flag_ptr=None, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(rows,)``, rows of at most ``N_P2`` entries (``2^TIE_BITS``), ``THREADS`` threads a program: the row's
     keys read once into registers (entry ``i`` of thread ``t``: position ``i * THREADS + t``); the
@@ -1465,20 +1466,23 @@ def _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, p
     cnt = ws[: rows * nch].view(rows, nch)
     thr, flags = ws[rows * nch :].view(2, rows)
     pdl = pdl_enabled(logits.device)
-    _topk_threshold_kernel[(rows,)](
-        logits, logits.stride(0), lo, hi, thr, n, k, CAP=cap, SAMPLE_G=groups, SAMPLE_L=sample // groups, END=20,
-        PDL=pdl, num_warps=cfg["split_sample_warps"],
+    dep = {"launch_pdl": True} if pdl else {}
+    launch_kernel(
+        _topk_threshold_kernel, (rows, 1, 1), (logits, logits.stride(0), lo, hi, thr, n, k),
+        dict(CAP=cap, SAMPLE_G=groups, SAMPLE_L=sample // groups, END=20, PDL=pdl), {"num_warps": cfg["split_sample_warps"]},
     )  # fmt: skip
-    _topk_split_pos_kernel[(rows, nch)](
-        logits, logits.stride(0), lo, hi, thr, rk, rk.stride(0), cnt, cnt.stride(0), n, CHUNK=chunk, THREADS=sw,
-        PDL=pdl, num_warps=cfg["split_warps"], **({"launch_pdl": True} if pdl else {}),
+    launch_kernel(
+        _topk_split_pos_kernel, (rows, nch, 1),
+        (logits, logits.stride(0), lo, hi, thr, rk, rk.stride(0), cnt, cnt.stride(0), n),
+        dict(CHUNK=chunk, THREADS=sw, PDL=pdl), {"num_warps": cfg["split_warps"], **dep},
     )  # fmt: skip
-    _topk_list_kernel[(rows,)](
-        lo, hi, rk, rk.stride(0), cnt, cnt.stride(0), flags, scratch, scratch.stride(0),
-        out, out.stride(0), n, k, bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size,
-        next_n, NCH=nch, CHUNK=chunk, CAP=cap, THREADS=lw, TIE_BITS=n_p2.bit_length() - 1, N_P2=n_p2, K_P2=k_p2,
-        SLOTS=slots, SORTED=bool(ordered), PDL=pdl, num_warps=cfg["split_list_warps"],
-        **({"launch_pdl": True} if pdl else {}),
+    launch_kernel(
+        _topk_list_kernel, (rows, 1, 1),
+        (lo, hi, rk, rk.stride(0), cnt, cnt.stride(0), flags, scratch, scratch.stride(0), out, out.stride(0), n, k,
+         bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n),
+        dict(NCH=nch, CHUNK=chunk, CAP=cap, THREADS=lw, TIE_BITS=n_p2.bit_length() - 1, N_P2=n_p2, K_P2=k_p2,
+             SLOTS=slots, SORTED=bool(ordered), STOP=0, PDL=pdl),
+        {"num_warps": cfg["split_list_warps"], **dep},
     )  # fmt: skip
     return flags, pdl
 
@@ -1531,15 +1535,20 @@ def launch_topk(
         if cfg["split"] and n >= cfg["split"]:  # the split path; the register path does the rows it flags
             flags, pdl = _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, page_block_size,
                                        next_n, ordered, cfg)  # fmt: skip
-        _topk_bisect_kernel[(rows,)](
-            logits, logits.stride(0), lo, hi, scratch, scratch.stride(0), out, out.stride(0), n, k,
-            bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
-            cand, cand.stride(0),
-            N_P2=n_p2, BLOCK=block, K_P2=k_p2, CAP=cap, THREADS=32 * warps, TIE_BITS=n_p2.bit_length() - 1, SLOTS=slots, SORTED=bool(ordered),
-            FOR_LOOP=for_loop, STOP=cfg["profile"], VEC=vec, PACK16=cfg["bisect_pack16"] and vec == 1 and n_p2 >= 64 * warps,
-            INSIDE=0 if vec != 1 else (n_p2 if n == n_p2 else n_p2 // 2 if 2 * n > n_p2 else 0) // (32 * warps),
-            flag_ptr=flags, PDL=pdl, **({"launch_pdl": True} if pdl else {}),
-            num_warps=warps, **({"maxnreg": cfg["bisect_maxnreg"]} if cfg["bisect_maxnreg"] and not interpreting() else {}),
+        # (through the direct launcher: an eager call of the split path makes four launches, each
+        # ~20-30 µs of host time through Triton's own path)
+        launch_kernel(
+            _topk_bisect_kernel, (rows, 1, 1),
+            (logits, logits.stride(0), lo, hi, scratch, scratch.stride(0), out, out.stride(0), n, k,
+             bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
+             cand, cand.stride(0), flags),
+            dict(N_P2=n_p2, BLOCK=block, K_P2=k_p2, CAP=cap, THREADS=32 * warps, TIE_BITS=n_p2.bit_length() - 1,
+                 SLOTS=slots, SORTED=bool(ordered), FOR_LOOP=for_loop, STOP=cfg["profile"], VEC=vec,
+                 PACK16=cfg["bisect_pack16"] and vec == 1 and n_p2 >= 64 * warps,
+                 INSIDE=0 if vec != 1 else (n_p2 if n == n_p2 else n_p2 // 2 if 2 * n > n_p2 else 0) // (32 * warps),
+                 PDL=pdl),
+            {"num_warps": warps, **({"launch_pdl": True} if pdl else {}),
+             **({"maxnreg": cfg["bisect_maxnreg"]} if cfg["bisect_maxnreg"] and not interpreting() else {})},
         )  # fmt: skip
         return
     hb = cfg["hist_bits"]
