@@ -183,7 +183,7 @@ def main() -> int:
             reg = opt.get("maxnreg") or (K.PAGED_CONFIG["tma_maxnreg"] if tma_cap else None)
             k = compile_one(kern, consts, warps, a.arch, ptrs, reg)
         except Exception as e:  # noqa: BLE001 (report and go on)
-            print(f"{name}: COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
+            print(f"{name}: COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]} {e.__cause__!r}")
             ok = False
             continue
         for ext in ("ttgir", "ptx"):

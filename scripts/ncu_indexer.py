@@ -1,11 +1,14 @@
 """Run each indexer kernel once on its benchmark shape, for a profiler to attach to (e.g.
 ``ncu --clock-control none -k regex:_topk_kernel -c 1 --set full python scripts/ncu_indexer.py topk``).
 
-    python scripts/ncu_indexer.py [topk|topk_unsorted|paged] ...
+    python scripts/ncu_indexer.py [--config JSON] [topk|topk_unsorted|paged] ...
+
+``--config``: ``TOPK_CONFIG`` items for the top-k runs (e.g. ``'{"split_digit_bits": 5}'``).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 import torch
@@ -41,6 +44,10 @@ def paged() -> None:
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or ["topk", "paged"]:
+    names = sys.argv[1:]
+    if names[:1] == ["--config"]:
+        K.TOPK_CONFIG.update(json.loads(names[1]))
+        names = names[2:]
+    for name in names or ["topk", "paged"]:
         {"topk": topk, "topk_unsorted": topk_unsorted, "paged": paged}[name]()
     torch.cuda.synchronize()
