@@ -2,6 +2,7 @@
 # Session 23: the top-k's bisections a histogram digit a step (TOPK_CONFIG["split_digit_bits"]): the indexer's
 # GPU tests (the new digit tests and the split path with 0/5/8-bit steps), topk_ab of 0/5/6/8-bit steps and
 # 8 list warps, then each split-path kernel's time under ncu for 0/5/6-bit steps. Carry build/pylib.
+# (Needs docs/experiments/topk_histogram_digits.patch applied: the option was dropped after this run.)
 source "$(dirname "$0")/probe_common.sh"
 probe_init session23_probe
 export PYTHONPATH="$PWD/src:$PWD"

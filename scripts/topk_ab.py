@@ -29,6 +29,8 @@ CASES = [  # (label, rows, n, k, dtype, sorted)
     ("256 x 16384 unsorted", 256, 16384, 2048, torch.float32, False),
     ("256 x 12288 unsorted", 256, 12288, 2048, torch.float32, False),
     ("256 x 8192 unsorted", 256, 8192, 2048, torch.float32, False),
+    ("256 x 4096 unsorted", 256, 4096, 2048, torch.float32, False),
+    ("256 x 32768 bf16 rank order", 256, 32768, 2048, torch.bfloat16, True),
 ]
 
 
