@@ -122,7 +122,6 @@ def cases(arch: int):
         PACK16=tc["bisect_pack16"],
         STOP=0,
         INSIDE=tc["bisect"] // (32 * tc["bisect_warps"]),  # (a row of exactly `bisect` entries: no load masks)
-        flag_ptr=None,
     )
     yield "topk k=2048 bisect, unsorted", K._topk_bisect_kernel, bis, tc["bisect_warps"]
     yield (
@@ -132,8 +131,6 @@ def cases(arch: int):
         tc["bisect_warps"],
     )
     yield "topk k=2048 bisect, sorted", K._topk_bisect_kernel, {**bis, "SORTED": True}, tc["bisect_warps"]
-    flagged = {k: v for k, v in bis.items() if k != "flag_ptr"}
-    yield "topk k=2048 bisect, the split path's flagged rows", K._topk_bisect_kernel, flagged, tc["bisect_warps"]
     # the split path (256 x 32768, k 2048, the launcher's sizes)
     cap = min(tc["bisect"], max(2048 * tc["split_cap"], 32 * tc["split_list_warps"]))
     sample = min(tc["split_sample"], cap)
@@ -143,7 +140,8 @@ def cases(arch: int):
     yield "topk split path: positions", K._topk_split_pos_kernel, chunk, tc["split_warps"]
     lst = dict(
         NCH=tc["bisect"] // tc["split_chunk"], CHUNK=tc["split_chunk"], CAP=cap, THREADS=32 * tc["split_list_warps"],
-        TIE_BITS=15, N_P2=tc["bisect"], K_P2=2048, SLOTS=False, SORTED=False,
+        TIE_BITS=15, N_P2=tc["bisect"], K_P2=2048, SLOTS=False, SORTED=False, BLOCK=min(tc["block"], 1024),
+        FOR_LOOP=True,
     )  # fmt: skip
     yield "topk split path: list, unsorted", K._topk_list_kernel, lst, tc["split_list_warps"]
     yield "topk split path: list, sorted", K._topk_list_kernel, {**lst, "SORTED": True}, tc["split_list_warps"]

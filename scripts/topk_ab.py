@@ -55,7 +55,8 @@ def _flagged_rows(x: torch.Tensor, k: int, srt: bool) -> int | None:
     k_p2, n_p2 = next_pow2(k), next_pow2(n)
     out = torch.empty(rows, k, dtype=torch.int32, device=x.device)
     scr = torch.empty(rows, k_p2, dtype=torch.int64, device=x.device)
-    flags, _pdl = K._launch_topk_split(x, None, None, out, scr, k, k_p2, n_p2, out, False, 1, 1, srt, cfg)
+    flags = K._launch_topk_split(x, None, None, out, scr, k, k_p2, n_p2, out, False, 1, 1, srt, cfg)
+    flags = flags[0] if isinstance(flags, tuple) else flags  # (an older src returned (flags, pdl))
     return int(flags.sum())
 
 

@@ -1113,11 +1113,10 @@ def _list_or_select(
 @triton.jit
 def _topk_bisect_kernel(
     x_ptr, stride_xr, lo_ptr, hi_ptr, scr_ptr, stride_sr, out_ptr, stride_or, n, k,
-    bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr, flag_ptr,
+    bt_ptr, stride_bt, n_log, pbs, next_n, cand_ptr, stride_cr,
     N_P2: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr, CAP: tl.constexpr, THREADS: tl.constexpr,
     TIE_BITS: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr, FOR_LOOP: tl.constexpr,
     STOP: tl.constexpr = 0, VEC: tl.constexpr = 1, PACK16: tl.constexpr = False, INSIDE: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(rows,)``, rows of at most ``N_P2`` entries (``2^TIE_BITS``), ``THREADS`` threads a program: the row's
     keys read once into registers (entry ``i`` of thread ``t``: position ``i * THREADS + t``); the
@@ -1130,8 +1129,7 @@ def _topk_bisect_kernel(
     gathered order, the same on every call). More than ``CAP`` keys equal to the k-th (all 32 bits
     found) take the select pass over the row instead. ``STOP`` (timing only, wrong results): 1 ends
     after the top bits, 2 after the list, 3 before the output, 4 after the row's load (no bits). ``VEC`` 4 (an experiment, not yet
-    timed): 16-byte loads of the row (the list's scatter store then converts the layout). ``flag_ptr``
-    (the split path's fallback, :func:`_topk_list_kernel`): only rows whose flag is set are done."""
+    timed): 16-byte loads of the row (the list's scatter store then converts the layout)."""
     tl.static_assert(N_P2 % THREADS == 0 and CAP % THREADS == 0, "rows and lists fill every thread")
     tl.static_assert(not PACK16 or N_P2 >= 2 * THREADS, "two keys a thread to pack")
     r = tl.program_id(0)
@@ -1140,11 +1138,6 @@ def _topk_bisect_kernel(
     scr = scr_ptr + r.to(tl.int64) * stride_sr
     out_row = out_ptr + r.to(tl.int64) * stride_or
     written = tl.zeros([], tl.int32)
-    if flag_ptr is not None:  # (a row the split path finished: nothing to do)
-        if PDL:  # (a programmatic dependent of the list kernel, which writes the flags)
-            tl.extra.cuda.gdc_wait()
-        written = (tl.load(flag_ptr + r) == 0).to(tl.int32)
-        kk = tl.where(written == 0, kk, 0)
     if kk > 0:
         pos, valid, _key, ukey = _row_chunk(
             row_ptr, 0, lo, hi, N_P2, SCALAR=THREADS if VEC == 1 else 0, n_row=n, INSIDE=INSIDE
@@ -1189,9 +1182,11 @@ def _topk_bisect_kernel(
 # (3) ``_topk_list_kernel`` (one program a row) reads the row's counts: when ``kk <= count <=
 #     CAP`` (every key of the top ``kk`` is at or above ``T``: exact) it gathers the list, finds the
 #     k-th key on it (from the bits all candidates share) and writes the output as the register
-#     path's list does; otherwise it flags the row;
-# (4) ``_topk_bisect_kernel`` with ``flag_ptr`` does the flagged rows (none, unless the sample
-#     misjudged the row: ties spanning the threshold, or a row whose top keys the sample missed).
+#     path's list does; otherwise (none, unless the sample misjudged the row: ties spanning the
+#     threshold, or a row whose top keys the sample missed) it flags the row and does it itself by
+#     the radix select over the row from memory (slow, and light on registers: the kernel keeps two
+#     programs an SM; session 23 measured this 1.3-1.9 µs faster than a register-path launch for
+#     the flagged rows after it, which cost ~3.4 µs with nothing to do).
 # The set is the same as the register path's in every case (the same tie rule); the unsorted order
 # is the same on every call, but not the register path's (the list's slots are taken thread by
 # thread, :func:`_column_slots`, over other layouts).
@@ -1259,17 +1254,19 @@ def _max_pair(a0, a1, b0, b1):
 
 @triton.jit
 def _topk_list_kernel(
-    lo_ptr, hi_ptr, rk_ptr, stride_kr, cnt_ptr, stride_cr, flag_ptr, scr_ptr, stride_sr,
+    x_ptr, stride_xr, lo_ptr, hi_ptr, rk_ptr, stride_kr, cnt_ptr, stride_cr, flag_ptr, scr_ptr, stride_sr,
     out_ptr, stride_or, n, k, bt_ptr, stride_bt, n_log, pbs, next_n,
     NCH: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr, THREADS: tl.constexpr, TIE_BITS: tl.constexpr,
     N_P2: tl.constexpr, K_P2: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr, STOP: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, BLOCK: tl.constexpr = 1024, FOR_LOOP: tl.constexpr = True,
 ):  # fmt: skip
     """Grid ``(rows,)``: the row's list from :func:`_topk_split_pos_kernel` (``NCH`` chunks' parts,
     in position order) when it holds ``kk..CAP`` entries, finished as the register path's list
     (:func:`_finish_keys`) from the bits every entry shares; ``flag[r]`` 1 (the list does not hold
     the top ``kk``, or exceeds ``CAP``: :func:`_topk_bisect_kernel` does the row) or 0. ``PDL``: a
-    programmatic dependent of the positions kernel."""
+    programmatic dependent of the positions kernel. A flagged row is done here too, by the radix
+    select over the row (``x_ptr``) from memory, ``BLOCK`` entries a step (four 8-bit passes and the
+    select: slow, rare, and light on registers), so that no launch follows."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
@@ -1308,8 +1305,14 @@ def _topk_list_kernel(
             if not SORTED:
                 written += 1
         else:
-            flag += 1
-            written += 1
+            flag += 1  # the radix select over the row; the output from the scratch below
+            row_ptr = x_ptr + r.to(tl.int64) * stride_xr
+            c_lo = (lo // BLOCK) * BLOCK
+            prefix = tl.zeros([], tl.uint32)
+            rem = kk
+            for p in tl.static_range(4):
+                prefix, rem, _at = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 24 - 8 * p, 8, BLOCK, FOR_LOOP)
+            _select_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, scr, BLOCK, FOR_LOOP)
     tl.store(flag_ptr + r, flag)
     if written == 0:
         _emit_topk(scr, r, kk, k, out_ptr, stride_or, bt_ptr, stride_bt, n_log, pbs, next_n, K_P2, SLOTS, SORTED)
@@ -1339,10 +1342,13 @@ def _topk_list_kernel(
 #: ``split_chunk`` entries per program of the positions kernel (``split_warps`` warps), a list of up
 #: to ``split_cap`` x k entries (``split_list_warps`` warps), a sample of ``split_sample`` entries
 #: (``split_sample_warps`` warps). H200 (256 x 32768, k 2048, graph, session 21): unsorted 42.5 us
-#: against the register path's 53.9, rank order 78.4 / 91.4; eager calls pay four launches. Session 22:
+#: against the register path's 53.9, rank order 78.4 / 91.4. Session 22:
 #: 8192-entry chunks (8 or 16 warps) 52-53 us, 2048-entry chunks of 4 warps 45.9 (against 44.8 in
 #: that build); the list's and sample's bisection two bits a step (three counts from one reduction)
-#: 44.8 against 42.1 (the list kernel 17.0 -> 19.2 us: docs/experiments/topk_two_bits.patch).
+#: 44.8 against 42.1 (the list kernel 17.0 -> 19.2 us: docs/experiments/topk_two_bits.patch). Session 23:
+#: the flagged rows inside the list kernel (no fourth launch): unsorted 42.0 -> 40.7-41.3 us, rank order
+#: 78.3 -> 76.5, 16384 entries 38.0 -> 36.3; histogram digits and a search by value for the list's
+#: k-th key both no faster (docs/experiments/topk_histogram_digits.patch, topk_narrow_by_value.patch).
 TOPK_CONFIG = dict(
     bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=4, hist_bits=8, split_block=2048, final_warps=8,
     bisect=32768, bisect_warps=16, bisect_cap=2, bisect_pack16=True, bisect_maxnreg=0,
@@ -1452,8 +1458,8 @@ def _check_topk_launch(logits, lo, hi, out, k, kk, table, page_block_size, next_
 
 def _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, page_block_size, next_n, ordered, cfg):
     """The split path's three launches (:func:`_topk_threshold_kernel`, :func:`_topk_split_pos_kernel`,
-    :func:`_topk_list_kernel`); returns the rows' flags ``[rows]`` int32 for the register path and
-    whether the launches are programmatic dependents (PDL: then so must the register path's be)."""
+    :func:`_topk_list_kernel`, which also does the rows it flags); returns the rows' flags ``[rows]``
+    int32 (1: the sample misjudged the row; for tests and benchmarks)."""
     rows, n = logits.shape
     sw, lw = 32 * cfg["split_warps"], 32 * cfg["split_list_warps"]
     chunk = max(min(cfg["split_chunk"], n_p2), sw)
@@ -1478,13 +1484,15 @@ def _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, p
     )  # fmt: skip
     launch_kernel(
         _topk_list_kernel, (rows, 1, 1),
-        (lo, hi, rk, rk.stride(0), cnt, cnt.stride(0), flags, scratch, scratch.stride(0), out, out.stride(0), n, k,
+        (logits, logits.stride(0), lo, hi, rk, rk.stride(0), cnt, cnt.stride(0), flags, scratch, scratch.stride(0),
+         out, out.stride(0), n, k,
          bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n),
         dict(NCH=nch, CHUNK=chunk, CAP=cap, THREADS=lw, TIE_BITS=n_p2.bit_length() - 1, N_P2=n_p2, K_P2=k_p2,
-             SLOTS=slots, SORTED=bool(ordered), STOP=0, PDL=pdl),
+             SLOTS=slots, SORTED=bool(ordered), STOP=0, PDL=pdl, BLOCK=min(cfg["block"], 1024),
+             FOR_LOOP=not interpreting()),
         {"num_warps": cfg["split_list_warps"], **dep},
     )  # fmt: skip
-    return flags, pdl
+    return flags
 
 
 def launch_topk(
@@ -1529,25 +1537,25 @@ def launch_topk(
         vec = 4 if cfg["bisect_vec_load"] else 1
         n_p2 = max(n_p2, 32 * warps * vec)  # every thread holds an entry (a vector)
         cap = min(n_p2, max(k_p2 * cfg["bisect_cap"], k_p2, 32 * warps))
+        if cfg["split"] and n >= cfg["split"]:  # the split path (its list kernel also does the rows it flags)
+            scratch = torch.empty((rows, k_p2), dtype=torch.int64, device=logits.device)
+            _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, page_block_size, next_n,
+                               ordered, cfg)  # fmt: skip
+            return
         ws = torch.empty((rows, k_p2 + cap), dtype=torch.int64, device=logits.device)
         scratch, cand = ws[:, :k_p2], ws[:, k_p2:]
-        flags, pdl = None, False
-        if cfg["split"] and n >= cfg["split"]:  # the split path; the register path does the rows it flags
-            flags, pdl = _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, page_block_size,
-                                       next_n, ordered, cfg)  # fmt: skip
-        # (through the direct launcher: an eager call of the split path makes four launches, each
-        # ~20-30 µs of host time through Triton's own path)
+        # (through the direct launcher, as the split path's three launches: each ~20-30 µs of host
+        # time through Triton's own path)
         launch_kernel(
             _topk_bisect_kernel, (rows, 1, 1),
             (logits, logits.stride(0), lo, hi, scratch, scratch.stride(0), out, out.stride(0), n, k,
              bt, bt.stride(0) if slots else 0, bt.shape[1] if slots else 0, page_block_size, next_n,
-             cand, cand.stride(0), flags),
+             cand, cand.stride(0)),
             dict(N_P2=n_p2, BLOCK=block, K_P2=k_p2, CAP=cap, THREADS=32 * warps, TIE_BITS=n_p2.bit_length() - 1,
                  SLOTS=slots, SORTED=bool(ordered), FOR_LOOP=for_loop, STOP=cfg["profile"], VEC=vec,
                  PACK16=cfg["bisect_pack16"] and vec == 1 and n_p2 >= 64 * warps,
-                 INSIDE=0 if vec != 1 else (n_p2 if n == n_p2 else n_p2 // 2 if 2 * n > n_p2 else 0) // (32 * warps),
-                 PDL=pdl),
-            {"num_warps": warps, **({"launch_pdl": True} if pdl else {}),
+                 INSIDE=0 if vec != 1 else (n_p2 if n == n_p2 else n_p2 // 2 if 2 * n > n_p2 else 0) // (32 * warps)),
+            {"num_warps": warps,
              **({"maxnreg": cfg["bisect_maxnreg"]} if cfg["bisect_maxnreg"] and not interpreting() else {})},
         )  # fmt: skip
         return
