@@ -663,6 +663,15 @@ def test_topk_launch_sizes_are_checked():
         launch_topk(x, None, torch.full((3,), 300, device=DEVICE), out, 5, 5)
     with pytest.raises(ValueError, match="logits: entries must be contiguous"):
         launch_topk(torch.randn(300, 2, device=DEVICE).t(), None, None, out, 5, 5)
+    # an out that shares bytes with what the kernels read (they would read their own writes), or
+    # holds an element twice
+    with pytest.raises(ValueError, match="out: must not overlap an input"):
+        launch_topk(x, None, None, x.view(torch.int32)[:, :5], 5, 5)
+    buf = torch.zeros(11, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="out: must not overlap an input"):
+        launch_topk(x, buf[:2], None, buf[1:].view(2, 5), 5, 5)
+    with pytest.raises(ValueError, match="out: its elements overlap"):
+        launch_topk(x, None, None, out[:1].expand(2, 5), 5, 5)
 
 
 @pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")

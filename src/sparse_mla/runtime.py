@@ -27,6 +27,7 @@ __all__ = [
     "pdl_enabled",
     "on_tensor_device",
     "check_plain_storage",
+    "check_apart",
     "check_no_self_overlap",
     "storage_extent",
     "LOG2E",
@@ -166,6 +167,22 @@ def check_plain_storage(x: torch.Tensor, name: str) -> None:
     end = x.storage_offset() * x.element_size() + storage_extent(x)
     if end > x.untyped_storage().nbytes():
         raise ValueError(f"{name}: its elements run {end - x.untyped_storage().nbytes()} bytes past its storage")
+
+
+def check_apart(out: torch.Tensor, name: str, inputs) -> None:
+    """Raise ``ValueError`` naming ``name`` when the output ``out``'s bytes (from its first element to
+    its last) meet those of any tensor of ``inputs`` (None and empty ones skipped): a kernel that
+    writes ``out`` while it reads them would read its own writes. A sufficient rule on byte spans,
+    so interleaved views that never share an element are refused too."""
+    if out.numel() == 0 or out.device.type == "meta":
+        return
+    lo = out.data_ptr()
+    hi = lo + storage_extent(out)
+    for t in inputs:
+        if t is not None and t.numel() > 0 and t.device == out.device:
+            t_lo = t.data_ptr()
+            if t_lo < hi and lo < t_lo + storage_extent(t):
+                raise ValueError(f"{name}: must not overlap an input in memory")
 
 
 def check_no_self_overlap(t: torch.Tensor, name: str) -> None:

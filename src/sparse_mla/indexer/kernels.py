@@ -12,7 +12,16 @@ import triton.language as tl
 
 from ..decode.launcher import launch as launch_kernel
 from ..decode.portable import e4m3_decode_exact
-from ..runtime import cdiv, cuda_num_sms, interpreting, next_pow2, pdl_enabled, require_runnable
+from ..runtime import (
+    cdiv,
+    check_apart,
+    check_no_self_overlap,
+    cuda_num_sms,
+    interpreting,
+    next_pow2,
+    pdl_enabled,
+    require_runnable,
+)
 from ..serving.index_convert import table_slots
 from ..serving.store import _e4m3_rtne_bits, ceil_log2_div448, slot_records
 from .checks import check_tensor_arg, index_cache_geometry
@@ -1454,6 +1463,8 @@ def _check_topk_launch(logits, lo, hi, out, k, kk, table, page_block_size, next_
                              f"entries, got {list(table.shape)} strides {tuple(table.stride())}")  # fmt: skip
         if table.device != logits.device:
             raise ValueError(f"table: expected on {logits.device}, got {table.device}")
+    check_no_self_overlap(out, "out")
+    check_apart(out, "out", (logits, lo, hi, table))
 
 
 def _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, page_block_size, next_n, ordered, cfg):
