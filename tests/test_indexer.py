@@ -1242,13 +1242,12 @@ def test_topk_split_path_random_rows_match_twin(n, k, levels, specials, slots, s
         table = torch.randint(-1, 100, (rows, n // pbs), generator=g, dtype=torch.int32)  # the last entries unmapped
         want = abs_indices_to_kvcache_indices(want.view(rows, 1, k), table, pbs).view(rows, k)
         table = table.to(DEVICE)
-    cfg = SPLIT_SMALL
     out = torch.full((rows, k), -7, dtype=torch.int32, device=DEVICE)
-    launch_topk(x.to(DEVICE), lo_d, hi_d, out, k, kk, table, pbs, config=cfg)
+    launch_topk(x.to(DEVICE), lo_d, hi_d, out, k, kk, table, pbs, config=SPLIT_SMALL)
     assert torch.equal(out.cpu()[:, :kk_p2], want[:, :kk_p2])
     unsorted = [torch.full((rows, k), -7, dtype=torch.int32, device=DEVICE) for _ in range(2)]
     for u in unsorted:
-        launch_topk(x.to(DEVICE), lo_d, hi_d, u, k, kk, table, pbs, config=cfg, ordered=False)
+        launch_topk(x.to(DEVICE), lo_d, hi_d, u, k, kk, table, pbs, config=SPLIT_SMALL, ordered=False)
     # (as multisets: slots repeat where table entries do)
     assert torch.equal(unsorted[0].cpu()[:, :kk_p2].sort(-1).values, want[:, :kk_p2].sort(-1).values)
     assert torch.equal(unsorted[0][:, :kk_p2], unsorted[1][:, :kk_p2])

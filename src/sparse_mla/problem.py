@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .formats import KVCacheLayout, check_cache_alignment, check_quantized_cache, get_layout
-from .runtime import check_no_self_overlap, check_plain_storage, storage_extent
+from .runtime import byte_range, check_no_self_overlap, check_plain_storage
 
 __all__ = [
     "DecodeProblem",
@@ -358,7 +358,7 @@ def relative_byte_ranges(tensors) -> tuple:
     rel = []
     for i, t in enumerate(tensors):
         if t is not None and t.numel() > 0:
-            lo, hi = _byte_range(t)
+            lo, hi = byte_range(t)
             ptr = t.data_ptr()
             rel.append((i, lo - ptr, hi - ptr))
     return tuple(rel)
@@ -385,10 +385,3 @@ def check_outputs_apart(tensors, rel: tuple) -> None:
                         f"{'out' if i == 8 else 'lse'}: must not overlap an input or another output in memory"
                     )
         seen.append((lo, hi))
-
-
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
-    """``[first, last]`` byte addresses a non-empty tensor's elements touch (strides are never
-    negative: the first is the data pointer)."""
-    lo = t.data_ptr()
-    return lo, lo + storage_extent(t) - 1

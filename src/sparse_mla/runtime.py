@@ -30,6 +30,7 @@ __all__ = [
     "check_apart",
     "check_no_self_overlap",
     "storage_extent",
+    "byte_range",
     "LOG2E",
     "LN2",
 ]
@@ -176,13 +177,19 @@ def check_apart(out: torch.Tensor, name: str, inputs) -> None:
     so interleaved views that never share an element are refused too."""
     if out.numel() == 0 or out.device.type == "meta":
         return
-    lo = out.data_ptr()
-    hi = lo + storage_extent(out)
+    lo, hi = byte_range(out)
     for t in inputs:
         if t is not None and t.numel() > 0 and t.device == out.device:
-            t_lo = t.data_ptr()
-            if t_lo < hi and lo < t_lo + storage_extent(t):
+            t_lo, t_hi = byte_range(t)
+            if t_lo <= hi and lo <= t_hi:
                 raise ValueError(f"{name}: must not overlap an input in memory")
+
+
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last]`` byte addresses a non-empty tensor's elements touch (strides are never
+    negative: the first is the data pointer)."""
+    lo = t.data_ptr()
+    return lo, lo + storage_extent(t) - 1
 
 
 def check_no_self_overlap(t: torch.Tensor, name: str) -> None:

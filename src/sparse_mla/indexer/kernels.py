@@ -679,6 +679,17 @@ def _radix_pass(
 
 
 @triton.jit
+def _radix_kth(row_ptr, lo, hi, c_lo, kk, BITS: tl.constexpr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr):
+    """The k-th best key of the row by ``32 / BITS`` radix passes over it (:func:`_radix_pass`):
+    ``(kth, how many entries equal to it belong to the top kk)``."""
+    prefix = tl.zeros([], tl.uint32)
+    rem = kk
+    for p in tl.static_range(32 // BITS):
+        prefix, rem, _at = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 32 - BITS * (p + 1), BITS, BLOCK, FOR_LOOP)
+    return prefix, rem
+
+
+@triton.jit
 def _select_pass(
     src, lo, hi, c_lo, kth, need_eq, n_gt, scr, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr,
     CAND: tl.constexpr = False,
@@ -892,11 +903,7 @@ def _topk_kernel(
                 prefix, rem, _at = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, 8, BLOCK, FOR_LOOP)
                 _select_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, scr, BLOCK, FOR_LOOP)
         else:
-            for p in tl.static_range(32 // BITS):
-                prefix, rem, _at = _radix_pass(
-                    row_ptr, lo, hi, c_lo, prefix, rem, 32 - BITS * (p + 1), BITS, BLOCK, FOR_LOOP
-                )
-            # prefix: the k-th best key; rem: how many entries equal to it belong to the top k
+            prefix, rem = _radix_kth(row_ptr, lo, hi, c_lo, kk, BITS, BLOCK, FOR_LOOP)
             if PROFILE < 2:
                 _select_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, scr, BLOCK, FOR_LOOP)
             else:  # (profiling: the radix passes alone; the result written so they are kept)
@@ -1272,7 +1279,7 @@ def _topk_list_kernel(
     """Grid ``(rows,)``: the row's list from :func:`_topk_split_pos_kernel` (``NCH`` chunks' parts,
     in position order) when it holds ``kk..CAP`` entries, finished as the register path's list
     (:func:`_finish_keys`) from the bits every entry shares; ``flag[r]`` 1 (the list does not hold
-    the top ``kk``, or exceeds ``CAP``: :func:`_topk_bisect_kernel` does the row) or 0. ``PDL``: a
+    the top ``kk``, or exceeds ``CAP``) or 0. ``PDL``: a
     programmatic dependent of the positions kernel. A flagged row is done here too, by the radix
     select over the row (``x_ptr``) from memory, ``BLOCK`` entries a step (four 8-bit passes and the
     select: slow, rare, and light on registers), so that no launch follows."""
@@ -1317,11 +1324,8 @@ def _topk_list_kernel(
             flag += 1  # the radix select over the row; the output from the scratch below
             row_ptr = x_ptr + r.to(tl.int64) * stride_xr
             c_lo = (lo // BLOCK) * BLOCK
-            prefix = tl.zeros([], tl.uint32)
-            rem = kk
-            for p in tl.static_range(4):
-                prefix, rem, _at = _radix_pass(row_ptr, lo, hi, c_lo, prefix, rem, 24 - 8 * p, 8, BLOCK, FOR_LOOP)
-            _select_pass(row_ptr, lo, hi, c_lo, prefix, rem, 0, scr, BLOCK, FOR_LOOP)
+            kth, rem = _radix_kth(row_ptr, lo, hi, c_lo, kk, 8, BLOCK, FOR_LOOP)
+            _select_pass(row_ptr, lo, hi, c_lo, kth, rem, 0, scr, BLOCK, FOR_LOOP)
     tl.store(flag_ptr + r, flag)
     if written == 0:
         _emit_topk(scr, r, kk, k, out_ptr, stride_or, bt_ptr, stride_bt, n_log, pbs, next_n, K_P2, SLOTS, SORTED)
@@ -1523,7 +1527,7 @@ def launch_topk(
         _check_topk_launch(logits, lo, hi, out, k, kk, table, page_block_size, next_n)
     require_runnable(
         _topk_kernel, logits.device, _key32, _row_chunk, _cand_chunk, _chunk, _digit_hist, _pick_digit,
-        _radix_pass, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
+        _radix_pass, _radix_kth, _select_pass, _split_keys, _select_keys, table_slots, _row_bounds, _seg_steps, _seg_pick, _levels_pick,
         _topk_hist_kernel, _topk_split_kernel, _emit_topk, _topk_bisect_kernel, _bisect_down, _column_slots, _rank_keys,
         _scalar_positions, _bisect_down16, _f16x2_ge, _f16x2_add, _f16x2_lanes, _pair_lanes, _bisect_packed,
         _finish_from_list, _list_or_select, _load_keys, _finish_keys, _topk_threshold_kernel, _topk_split_pos_kernel,
@@ -1547,12 +1551,12 @@ def launch_topk(
         warps = min(cfg["bisect_warps"], max(4, n_p2 // 2048))
         vec = 4 if cfg["bisect_vec_load"] else 1
         n_p2 = max(n_p2, 32 * warps * vec)  # every thread holds an entry (a vector)
-        cap = min(n_p2, max(k_p2 * cfg["bisect_cap"], k_p2, 32 * warps))
         if cfg["split"] and n >= cfg["split"]:  # the split path (its list kernel also does the rows it flags)
             scratch = torch.empty((rows, k_p2), dtype=torch.int64, device=logits.device)
             _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, page_block_size, next_n,
                                ordered, cfg)  # fmt: skip
             return
+        cap = min(n_p2, max(k_p2 * cfg["bisect_cap"], k_p2, 32 * warps))
         ws = torch.empty((rows, k_p2 + cap), dtype=torch.int64, device=logits.device)
         scratch, cand = ws[:, :k_p2], ws[:, k_p2:]
         # (through the direct launcher, as the split path's three launches: each ~20-30 µs of host

@@ -8,7 +8,8 @@ last entries. Implementation: each logit becomes one int64 rank key (the float's
 On CUDA (and under the interpreter) Triton kernels (:func:`.kernels.launch_topk`) find the row's
 k-th best 32-bit key. A row of 8192 to 32768 entries takes the split path: a threshold from a
 fixed sample of the row, the rank keys at or above it streamed out by chunk programs, one program
-a row finishing the k-th key on that list, and (rows the sample misjudges) the register path below.
+a row finishing the k-th key on that list (or, for a row the sample misjudges, by a radix select
+over the row).
 A row of up to 32768 entries is read once into one program's registers and
 the key's top bits found from the top by counts of the keys at or above a candidate (no histogram:
 for the top bit a compare and an add per entry, for bits 30..17 two entries at a time in fp16 lanes)
