@@ -10,11 +10,14 @@ import dataclasses
 
 import pytest
 import torch
+from cache_bytes import storage_bytes
 from helpers import check_decode_close
 
 import sparse_mla as flash_mla
 from sparse_mla import quantize_k_cache
 from sparse_mla.reference import sparse_decode_reference
+from sparse_mla.scheduler import batch_num_blocks
+from test_small_heads import _poison_unattended
 
 
 def _is_hopper() -> bool:
@@ -303,3 +306,155 @@ def test_narrow_config_both_ways(layout, field, value, h_q, monkeypatch):
     for num_sms in (None, 4):
         out, lse = check(q, kc, idx, num_sms, **kw)
         assert torch.isfinite(out.float()).all() and torch.isposinf(lse[3]).all()
+
+
+# ------------------------------------------------- issue 11 §4: MODEL1 / V3.2 with lengths, 64-head tiles
+
+
+def _n_tokens(cache):
+    return cache.shape[0] * cache.shape[1]
+
+
+def _row_view(lse):
+    """``lse [b, h_q, s_q]`` as ``[b, s_q, h_q]`` (indexed like ``out``'s first three dims)."""
+    return lse.permute(0, 2, 1)
+
+
+@pytest.mark.parametrize("pbs", [2, 61, 69, 576])
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_model1_page_sizes_lonely_rows_nan_unattended(h_q, pbs):
+    # MODEL1 on 64-head tiles, main cache of page size 2 / 61 / 69 / 576 and an extra cache of
+    # another page size, with topk_length and extra_topk_length (0 included), attn_sink +-inf, and
+    # 0xFF bytes (NaN data, NaN e8m0 scales, NaN block padding) in every slot of both caches that no
+    # counted valid index attends. Requests: 0 full main length, its query row 1 with every index
+    # -1 in both caches; 1 every index -1 in both caches (lengths > 0); 2 topk_length 0 (its main
+    # slots poisoned) and its extra indices counted; 3 both lengths 0.
+    b, s_q, topk, extra_topk = 4, 2, 200, 130
+    q, kc, idx, kw = make_case(
+        b, s_q, h_q, topk=topk, pbs=pbs, seed=300 + pbs + h_q, topk_length=[200, 150, 0, 0], sink=True,
+        layout="MODEL1",
+    )  # fmt: skip
+    extra_pbs = {2: 61, 61: 2, 69: 576, 576: 69}[pbs]
+    add_extra_cache(kw, b, s_q, extra_topk, extra_pbs, "MODEL1", seed=pbs + h_q, lengths=[77, 130, 130, 0])
+    ekc, eidx = kw["extra_k_cache"], kw["extra_indices_in_kvcache"]
+    idx[0, 1] = -1
+    eidx[0, 1] = -1
+    idx[1] = -1
+    eidx[1] = -1
+    kept = _poison_unattended(kc, idx, kw["topk_length"])
+    assert 0 < kept < _n_tokens(kc)
+    kept = _poison_unattended(ekc, eidx, kw["extra_topk_length"])
+    assert 0 < kept < _n_tokens(ekc)
+    lonely = torch.zeros(b, s_q, dtype=torch.bool, device=DEV)
+    lonely[0, 1] = lonely[1] = lonely[3] = True
+    for num_sms in (None, s_q * h_q // 64):
+        out, lse = check(q, kc, idx, num_sms, expect_split=False if num_sms else None, **kw)
+        assert torch.isfinite(out.float()).all() and not torch.isnan(lse).any()
+        assert (out[:, :, :2].float() == 0).all()  # +inf sink
+        rows = _row_view(lse)
+        assert torch.isposinf(rows[lonely]).all() and (out[lonely].float() == 0).all()
+        assert torch.isfinite(rows[~lonely]).all()
+        assert (out[~lonely][:, 2:].float().abs().sum(-1) > 0).all()  # every other head attends something
+
+
+def _permute_batch(kw, perm):
+    per_request = ("topk_length", "extra_indices_in_kvcache", "extra_topk_length")
+    return {k: (v[perm] if k in per_request else v) for k, v in kw.items()}
+
+
+@pytest.mark.parametrize("layout", ["V32", "MODEL1"])
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_batch_permutation_bit_exact_with_lengths_and_extra(layout, h_q):
+    # permuting the requests (queries, indices, lengths, extra indices and lengths) permutes out and
+    # lse bit for bit under the unsplit schedule (one partition walks every request in order: no
+    # state may leak from one request into the next), with topk_length 0 and 1, an extra cache of
+    # page size 2, attn_sink +-inf and a query row with no valid index
+    b, s_q = 4, 2
+    q, kc, idx, kw = make_case(
+        b, s_q, h_q, topk=192, pbs=61 if layout == "MODEL1" else 64, seed=400 + h_q, topk_length=[192, 0, 100, 1],
+        sink=True, layout=layout,
+    )  # fmt: skip
+    add_extra_cache(kw, b, s_q, 128, 2, layout, seed=400 + h_q, lengths=[40, 128, 0, 65])
+    idx[3, 0] = -1
+    kw["extra_indices_in_kvcache"][3, 0] = -1
+    unsplit = s_q * h_q // 64
+    out, lse = check(q, kc, idx, unsplit, expect_split=False, **kw)
+    assert torch.isposinf(lse[3, :, 0]).all() and torch.isfinite(lse[:, :, 1]).all()
+    for perm in ([2, 0, 3, 1], [3, 2, 1, 0]):
+        perm = torch.tensor(perm, device=DEV)
+        out2, lse2, table = run_gluon(q[perm], kc, idx[perm], unsplit, **_permute_batch(kw, perm))
+        assert not table.any_split
+        assert torch.equal(out2, out[perm]) and torch.equal(lse2, lse[perm])
+
+
+def _capture(fn):
+    """``fn`` captured in a CUDA graph; returns the graph's replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+@pytest.mark.parametrize("layout", ["V32", "MODEL1"])
+@pytest.mark.parametrize("h_q, sched", [(128, "split"), (64, "unsplit")])
+def test_cuda_graph_replay_with_lengths_and_extra(layout, h_q, sched):
+    # capture a call with topk_length, an extra cache with extra_topk_length and attn_sink, then
+    # change every input's contents in place (queries, both caches' tokens, indices, sinks; the
+    # lengths' values stay, as the contract asks of a reused scheduler object), poison what no
+    # counted index attends, replay into NaN-filled out/lse: the reference's result, and an eager
+    # call's bits
+    b, s_q, topk, extra_topk = 4, 2, 192, 128
+    pbs, extra_pbs = (64, 61) if layout == "V32" else (256, 2)
+    lens, extra_lens = [192, 0, 100, 37], [128, 90, 0, 5]
+    q, kc, idx, kw = make_case(
+        b, s_q, h_q, topk=topk, pbs=pbs, seed=500 + h_q, topk_length=lens, sink=True, layout=layout
+    )
+    add_extra_cache(kw, b, s_q, extra_topk, extra_pbs, layout, seed=500 + h_q, lengths=extra_lens)
+    ekc, eidx = kw["extra_k_cache"], kw["extra_indices_in_kvcache"]
+    meta, _ = flash_mla.get_mla_metadata(num_sms=132 if sched == "split" else s_q * h_q // 64)
+    out = torch.empty(b, s_q, h_q, 512, dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=DEV)
+
+    def call(**bufs):
+        return flash_mla.flash_mla_with_kvcache(
+            q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend="hopper", **bufs, **kw
+        )
+
+    call(out=out, lse=lse)  # fills the scheduler object (reads the lengths on the host), compiles
+    torch.cuda.synchronize()
+    assert meta.backend == "hopper" and meta.table.any_split == (sched == "split")
+    replay = _capture(lambda: call(out=out, lse=lse))
+    g = torch.Generator(device=DEV).manual_seed(h_q)
+    blocks = batch_num_blocks(b, topk, lens, extra_topk, extra_lens)
+    trials = [(lens, extra_lens)] * 2  # (rewritten in place with the same values)
+    for trial, (new_lens, new_extra_lens) in enumerate(trials):
+        assert batch_num_blocks(b, topk, new_lens, extra_topk, new_extra_lens) == blocks
+        q.copy_(torch.randn(q.shape, device=DEV, generator=g).to(torch.bfloat16))
+        for cache, ix, k in ((kc, idx, topk), (ekc, eidx, extra_topk)):
+            fresh, n_tok = _random_cache(cache.shape[0], cache.shape[1], layout, g)
+            dst, src = storage_bytes(cache), storage_bytes(fresh)
+            assert dst.numel() == src.numel()
+            dst.copy_(src)
+            ix.copy_(_random_indices(b, s_q, k, n_tok, 0.05, g))
+        idx[trial, 1] = -1  # one query row with no valid index, a different one each trial
+        eidx[trial, 1] = -1
+        kw["topk_length"].copy_(torch.tensor(new_lens))
+        kw["extra_topk_length"].copy_(torch.tensor(new_extra_lens))
+        sink = kw["attn_sink"]
+        sink.copy_(torch.randn(h_q, device=DEV, generator=g))
+        sink[2 + trial] = float("inf")
+        sink[5] = float("-inf")
+        for cache, ix, n in ((kc, idx, kw["topk_length"]), (ekc, eidx, kw["extra_topk_length"])):
+            assert 0 < _poison_unattended(cache, ix, n) < _n_tokens(cache)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        replay()
+        torch.cuda.synchronize()
+        ref_kw = {("extra_indices" if k == "extra_indices_in_kvcache" else k): v for k, v in kw.items()}
+        ro, rl = sparse_decode_reference(q, kc, idx, None, 512, **ref_kw)
+        check_decode_close(out, lse, ro, rl)
+        assert (out[:, :, 2 + trial].float() == 0).all()
+        assert torch.isposinf(lse[trial, :, 1]).all() and (out[trial, 1].float() == 0).all()
+        eager_out, eager_lse = call()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
