@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from cache_bytes import storage_bytes, token_byte_offsets
 from helpers import cache_to, make_cache, random_latent_k, triton_interpret_enabled
 
 import sparse_mla as flash_mla
@@ -20,6 +21,13 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 KERNELS = ON_GPU or triton_interpret_enabled()
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="kernels need CUDA or TRITON_INTERPRET=1")
 LAYOUT = {576: "V32", 512: "MODEL1"}
+#: (form, d_qk) of every kv the call takes: bf16 rows of either width, the V32 and the MODEL1 cache
+KV_FORMS = [
+    pytest.param("bf16", 576, id="bf16"),
+    pytest.param("bf16", 512, id="bf16_512"),
+    pytest.param("fp8", 576, id="fp8"),
+    pytest.param("fp8", 512, id="fp8_model1"),
+]
 
 
 def make_case(
@@ -116,20 +124,53 @@ def test_kernel_matches_reference(form, d_qk, h_q, topk):
     run_and_check(q, kv, idx, **kw)
 
 
-@needs_kernels
-@pytest.mark.parametrize("form", ["bf16", "fp8"])
-def test_h_q_128_topk_length_and_sink(form):
-    q, kv, idx, kw = make_case(2, 128, 150, form=form, s_kv=500, seed=3, topk_length=[150, 65], sink=True)
-    run_and_check(q, kv, idx, **kw)
+def check_topk_2048(h_q, d_qk, form, s_kv, seed, lens):
+    """topk 2048 (V3.2's) on ``s_kv >= 2048`` keys: random distinct indices with 10 % of them -1 or
+    out of range, topk_length ``lens`` (query 0's > topk), sink +inf / -inf on heads 0 / 1; the last
+    query's 2048 indices all -1."""
+    q, kv, idx, kw = make_case(
+        len(lens), h_q, 2048, d_qk=d_qk, form=form, s_kv=s_kv, seed=seed, topk_length=lens, sink=True
+    )
+    idx[-1] = -1
+    out, ml, lse = run_and_check(q, kv, idx, **kw)
+    # the lonely query: out 0, lse +inf, max_logits -inf, whatever the sink
+    assert (out[-1].float() == 0).all() and torch.isposinf(lse[-1]).all() and torch.isneginf(ml[-1]).all()
+    # query 0 attends ~1840 keys: finite lse and max_logits, out 0 on head 0 (sink +inf) only
+    assert torch.isfinite(lse[0]).all() and torch.isfinite(ml[0]).all() and (out[0, 0].float() == 0).all()
+    assert (out[0, 1:].float() != 0).any(dim=-1).all()
 
 
 @needs_kernels
-@pytest.mark.parametrize("form", ["bf16", "fp8"])
-def test_corner_cases(form):
+@pytest.mark.parametrize("form, d_qk", [p for p in KV_FORMS if p.id != "bf16_512"])
+def test_topk_2048(form, d_qk):
+    # 2 query tokens (the interpreter walks up to 32 steps of 64 indices for each): topk_length > topk,
+    # and all indices invalid with a partial last step
+    check_topk_2048(16, d_qk, form, s_kv=2100, seed=30 + d_qk, lens=[2100, 1999])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form, d_qk", KV_FORMS)
+def test_topk_2048_at_h_q_128(form, d_qk):
+    lens = torch.randint(0, 2300, (64,), generator=torch.Generator().manual_seed(d_qk)).tolist()
+    lens[:5] = [2100, 2048, 2047, 1, 0]
+    check_topk_2048(128, d_qk, form, s_kv=8192, seed=31 + d_qk, lens=lens)
+
+
+@needs_kernels
+@pytest.mark.parametrize("form, d_qk", KV_FORMS)
+def test_h_q_128_topk_length_and_sink(form, d_qk):
+    q, kv, idx, kw = make_case(2, 128, 150, d_qk=d_qk, form=form, s_kv=500, seed=3, topk_length=[150, 65], sink=True)
+    out, ml, lse = run_and_check(q, kv, idx, **kw)
+    assert (out[:, 0].float() == 0).all() and torch.isfinite(lse).all() and torch.isfinite(ml).all()  # sink +inf
+
+
+@needs_kernels
+@pytest.mark.parametrize("form, d_qk", KV_FORMS)
+def test_corner_cases(form, d_qk):
     # all indices invalid (query 0), topk_length 0 (query 1), > topk and negative (queries 2, 3),
     # sink +inf / -inf on heads 0 / 1, s_kv smaller than topk
     q, kv, idx, kw = make_case(
-        5, 20, 96, form=form, s_kv=50, pbs=16, seed=4, topk_length=[96, 0, 1000, -3, 50], sink=True
+        5, 20, 96, d_qk=d_qk, form=form, s_kv=50, pbs=16, seed=4, topk_length=[96, 0, 1000, -3, 50], sink=True
     )
     idx[0] = -1
     out, ml, lse = run_and_check(q, kv, idx, **kw)
@@ -138,21 +179,51 @@ def test_corner_cases(form):
     assert (out[2, 0].float() == 0).all() and torch.isfinite(lse[2]).all()
 
 
+def poison_keys(kv, rows):
+    """Make the keys at ``rows`` NaN: bf16 rows, or those cache slots' records (found through
+    tests/cache_bytes.py, strides and MODEL1 block padding included): every FP8 value 0x7F (e4m3
+    NaN), every RoPE value bf16 NaN (0x7FC0) and every scale NaN (fp32 for V32, e8m0 0xFF for
+    MODEL1); the bytes of the other slots stay as they were."""
+    if kv.dtype == torch.bfloat16:
+        kv[rows] = float("nan")
+        return
+    flat = storage_bytes(kv)
+    at = token_byte_offsets(kv, rows)  # [n, 656 | 584]: the data record, then (MODEL1) the scales
+    rec = torch.full(at.shape, 0x7F, dtype=torch.uint8)
+    if at.shape[1] == 656:  # V32: 512 FP8 | 4 fp32 scales | 64 bf16 RoPE
+        rec[:, 512:528] = torch.tensor([0x00, 0x00, 0xC0, 0x7F], dtype=torch.uint8).repeat(4)
+        rec[:, 528:656] = torch.tensor([0xC0, 0x7F], dtype=torch.uint8).repeat(64)
+    else:  # MODEL1: 448 FP8 | 64 bf16 RoPE, then 7 e8m0 scales + 1 pad byte
+        rec[:, 448:576] = torch.tensor([0xC0, 0x7F], dtype=torch.uint8).repeat(64)
+        rec[:, 576:584] = 0xFF
+    flat[at.reshape(-1).to(flat.device)] = rec.reshape(-1).to(flat.device)
+
+
 @needs_kernels
-@pytest.mark.parametrize("form", ["bf16", "fp8"])
-def test_nan_in_unattended_rows_never_reaches_the_output(form):
-    q, kv, idx, kw = make_case(3, 16, 64, form=form, s_kv=256, seed=5, topk_length=[64, 10, 33])
+@pytest.mark.parametrize("form, d_qk", KV_FORMS)
+def test_nan_in_unattended_rows_never_reaches_the_output(form, d_qk):
+    q, kv, idx, kw = make_case(3, 16, 64, d_qk=d_qk, form=form, s_kv=256, seed=5, topk_length=[64, 10, 33])
     n_rows = kv.shape[0] if form == "bf16" else kv.shape[0] * kv.shape[1]
     used = torch.zeros(n_rows, dtype=torch.bool, device=DEVICE)
     for i, n in enumerate(kw["topk_length"].tolist()):
         r = idx[i, 0, :n].long()
         used[r[(r >= 0) & (r < n_rows)]] = True
+    before = kv.clone() if form == "bf16" else storage_bytes(kv).clone()
+    poison_keys(kv, (~used).nonzero()[:, 0])
+    # the poison is where it should be, and only there
     if form == "bf16":
-        kv[~used] = float("nan")
+        rows, was = kv[:, 0].float().cpu(), before[:, 0].float().cpu()
     else:
-        raw = kv.view(torch.uint8).reshape(n_rows, 656)
-        raw[~used] = 0x7F  # e4m3 NaN bytes; the RoPE bf16 0x7F7F is NaN too
-        raw[:, 512:528].view(torch.float32)[~used] = float("nan")
+        lay = LAYOUT[d_qk]
+        rows = flash_mla.dequantize_k_cache(cache_to(kv, "cpu"), lay).reshape(n_rows, d_qk).float()
+        was = (
+            flash_mla.dequantize_k_cache(
+                cache_to(before.as_strided(kv.shape, kv.stride(), kv.storage_offset()), "cpu"), lay
+            )
+            .reshape(n_rows, d_qk)
+            .float()
+        )
+    assert torch.isnan(rows[~used.cpu()]).all() and torch.equal(rows[used.cpu()], was[used.cpu()])
     # indices past topk_length point at NaN rows
     for i, n in enumerate(kw["topk_length"].tolist()):
         idx[i, 0, n:] = (~used).nonzero()[0, 0].int()
@@ -440,9 +511,22 @@ def test_torch_compile_fullgraph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["fp8", "bf16"])
-def test_cuda_graph_capture_and_replay(form):
-    q, kv, idx, kw = make_case(8, 64, 256, form=form, s_kv=2048, seed=13, topk_length=list(range(1, 257, 32)))
+@pytest.mark.parametrize(
+    "form, d_qk, h_q",
+    [
+        ("fp8", 576, 64),
+        ("bf16", 576, 64),
+        ("fp8", 576, 16),
+        ("bf16", 576, 32),
+        ("fp8", 512, 64),
+        ("fp8", 512, 16),
+        ("bf16", 512, 32),
+    ],
+)
+def test_cuda_graph_capture_and_replay(form, d_qk, h_q):
+    q, kv, idx, kw = make_case(
+        8, h_q, 256, d_qk=d_qk, form=form, s_kv=2048, seed=13, topk_length=list(range(1, 257, 32)), sink=True
+    )
     want = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05, **kw)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -455,6 +539,7 @@ def test_cuda_graph_capture_and_replay(form):
     for a, b in zip(got, again, strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(got[2], want[2])
+    check_prefill_close(*got, *sparse_prefill_reference(q, kv, idx, 0.05, **kw))
 
 
 @pytest.mark.gpu
