@@ -88,7 +88,12 @@ def small_head_tile(h_q: int) -> int:
 def hopper_head_tile(h_q: int) -> int:
     """Heads per CTA of the Hopper decode kernel: 16 or 32 when that is all there is (its narrow
     consumer puts the heads on the wgmma's N and a block's 64 tokens on M), else 64 (one wgmma M
-    tile; rows past h_q are zero queries, never stored)."""
+    tile; rows past h_q are zero queries, never stored).
+
+    The thresholds are the measured crossover (H200, V32, s_q 2, topk 2048, graph replay, session
+    24, docs/perf.md): the 16-head tile 145.1 µs at b=128 where the 32-head tile takes 204.3; the
+    32-head tile 204.3 / 109.0 / 23.2 µs at b = 128 / 64 / 2 against 247.8 / 131.2 / 26.2 for the
+    64-head tile; past 32 heads one 64-head tile (247.8) against two 32-head tiles' ~2 x 204."""
     return 16 if h_q <= 16 else 32 if h_q <= 32 else 64
 
 
