@@ -228,6 +228,114 @@ def test_nan_in_unused_cache_slots_never_reaches_the_logits():
     assert not torch.isnan(got).any() and torch.isfinite(got[:, :39]).all() and torch.isneginf(got[:, 41:]).all()
 
 
+def _poison_slot(cache, slot, data_byte, scale):
+    """Overwrite one slot of an indexer cache: every e4m3 byte ``data_byte`` and the fp32 ``scale``."""
+    nb, bs, _, last = cache.shape
+    d = last - 4
+    blk, off = divmod(slot, bs)
+    flat = cache.view(nb, bs * last)
+    flat[blk, off * d : (off + 1) * d] = data_byte
+    flat[blk, bs * d + 4 * off : bs * d + 4 * off + 4] = torch.tensor([scale]).view(torch.uint8).to(cache.device)
+
+
+# (data byte, scale) written past the context: e4m3 NaN bytes with a NaN scale (what the store writes
+# for a NaN key), NaN bytes of both signs with a unit scale, zero bytes with an inf scale (0 · inf =
+# NaN), finite bytes with +-inf and NaN scales
+_POISON = [(0x7F, float("nan")), (0xFF, 1.0), (0x00, float("inf")), (0x38, float("inf")), (0x7F, 1.0),
+           (0x38, float("nan")), (0xB8, float("-inf"))]  # fmt: skip
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "next_n, block_size, num_sms, cfg",
+    [(2, 64, 132, None), (2, 16, 1, None), (3, 7, 2, None), (1, 32, 1, None),
+     (2, 64, 1, {"fp8_dot": True, "tma": True}), (2, 32, 1, {"fp8_dot": True, "tma": False, "block_n": 32})],
+)  # fmt: skip
+def test_non_finite_bytes_past_the_context_in_the_last_page_never_reach_the_logits(next_n, block_size, num_sms, cfg):
+    # the last, partly filled page of each request holds NaN / inf bytes and scales in its slots
+    # at and past context_lens (a key tile holds them beside visible keys): the visible logits are
+    # the twin's, everything past the last visible key is -inf, no NaN anywhere; the public call
+    # (clean_logits either way) and the FP8-dot pointer and tensor-memory paths (forced: the
+    # interpreter runs them; it reads e4m3 NaN bytes as +-480 there, which must not leak either)
+    from sparse_mla.indexer.kernels import launch_paged_mqa_logits
+
+    b, h, d, nb = 3, 8, 64, 14
+    cache, _ = fill_cache(nb, block_size, d, seed=block_size + next_n)
+    table = torch.randperm(nb, generator=torch.Generator().manual_seed(block_size))[: b * 4].view(b, 4)
+    table = table.int().to(DEVICE)
+    ctx_list = [2 * block_size + 1, max(block_size - 3, next_n), 3 * block_size + block_size // 2]
+    ctx = torch.tensor(ctx_list, dtype=torch.int32, device=DEVICE)
+    poisoned = 0
+    for i, c in enumerate(ctx_list):
+        page, first = divmod(c, block_size)
+        if first == 0:
+            continue
+        for off in range(first, block_size):  # the slots of the last page past the context
+            slot = int(table[i, page]) * block_size + off
+            _poison_slot(cache, slot, *_POISON[(off + i) % len(_POISON)])
+            poisoned += 1
+    keys, scales = dequantize_indexer_cache(cache)
+    assert poisoned > block_size and int((~torch.isfinite(keys * scales.unsqueeze(1)).all(1)).sum()) == poisoned
+    q = random_q((b, next_n, h, d), seed=block_size * 3 + next_n)
+    w = torch.randn(b * next_n, h, device=DEVICE)
+    max_len = 4 * block_size
+    want = fp8_paged_mqa_logits_reference(q, cache, w, ctx, table, max_len)
+    mag = fp8_paged_mqa_logits_reference(abs_e4m3(q), abs_index_cache(cache), w.abs(), ctx, table, max_len)
+    if cfg is None:
+        meta = flash_mla.get_paged_mqa_logits_metadata(ctx.cpu(), block_size, num_sms)
+        outs = [
+            flash_mla.fp8_paged_mqa_logits(q, cache, w, ctx, table, meta, max_len, clean) for clean in (False, True)
+        ]
+    else:
+        outs = [torch.full((b * next_n, max_len), 7.0, device=DEVICE)]
+        launch_paged_mqa_logits(q.view(torch.uint8), cache, w, ctx, table, outs[0], max_len, num_sms, config=cfg)
+    assert not torch.isnan(want).any()
+    for got in outs:
+        assert not torch.isnan(got).any() and torch.equal(torch.isinf(got), torch.isinf(want))
+        close_to(got, want, mag, d=d)
+        for i, c in enumerate(ctx_list):
+            for p in range(next_n):
+                seen = min(c - next_n + p + 1, c)
+                row = got[i * next_n + p]
+                assert torch.isfinite(row[:seen]).all() and torch.isneginf(row[seen:]).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("clean_logits", [True, False])
+@pytest.mark.parametrize("h, d, cfg", [(8, 64, None), (5, 32, None), (4, 32, {"fp8_dot": True, "block_n": 32})])
+def test_non_finite_keys_outside_the_range_never_reach_the_logits(clean_logits, h, d, cfg):
+    # NaN / inf keys (NaN bytes, NaN and inf scales, zero bytes times an inf scale) at positions no
+    # query's [ks, ke) holds, in the same key tiles as keys that are in range: the logits in range
+    # are the twin's (no NaN), outside -inf (clean_logits; the kernels write -inf there either way)
+    from sparse_mla.indexer.kernels import launch_mqa_logits
+
+    s_q, s_kv = 7, 200
+    q = random_q((s_q, h, d), seed=h + d)
+    kv = random_q((s_kv, d), seed=d + 1)
+    sc = torch.rand(s_kv, device=DEVICE) + 0.1
+    bad = [0, 1, 31, 32, 63, 64, 100, 101, 127, 128, 150, 199]
+    for c, j in enumerate(bad):
+        byte, scale = _POISON[c % len(_POISON)]
+        kv.view(torch.uint8)[j] = byte
+        sc[j] = scale
+    assert not torch.isfinite(kv.float() * sc.unsqueeze(1)).all(1)[bad].any()
+    w = torch.randn(s_q, h, device=DEVICE)
+    ks = torch.tensor([2, 33, 65, 102, 151, 2, 129], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([31, 63, 100, 127, 199, 2, 150], dtype=torch.int32, device=DEVICE)  # row 5 empty
+    want = fp8_mqa_logits_reference(q, kv, sc, w, ks, ke)
+    assert not torch.isnan(want).any()
+    if cfg is None:
+        got = flash_mla.fp8_mqa_logits(q, (kv, sc), w, ks, ke, clean_logits=clean_logits)
+    else:
+        got = torch.full((s_q, s_kv), 7.0, device=DEVICE)
+        launch_mqa_logits(q.view(torch.uint8), kv.view(torch.uint8), sc, w, ks, ke, got, num_sms=1, config=cfg)
+    assert not torch.isnan(got).any() and torch.equal(torch.isinf(got), torch.isinf(want))
+    close_to(got, want, fp8_mqa_logits_reference(abs_e4m3(q), abs_e4m3(kv), sc.abs(), w.abs(), ks, ke), d=d)
+    j = torch.arange(s_kv, device=DEVICE)
+    inside = (j >= ks.long().unsqueeze(1)) & (j < ke.long().unsqueeze(1))
+    assert torch.isfinite(got[inside]).all() and torch.isneginf(got[~inside]).all()
+
+
 @needs_kernels
 @pytest.mark.parametrize(
     "next_n, h, d, block_size, num_sms",
@@ -873,6 +981,89 @@ def test_one_decode_step_end_to_end():
     check_decode_close(out, lse, ro, rl)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_of_logits_and_topk_with_inputs_changed_in_place():
+    # one CUDA graph holding the prefill logits, a sorted top-k of them (rows of 10000: the split
+    # path) and the paged logits with next_n 2 (plus a sorted top-k of those through the decode's
+    # row ends, computed in the graph); every input then rewritten in place (queries, keys, scales,
+    # weights, ranges, context lengths, block table, cache bytes) and the graph replayed: the
+    # eager calls' results, bit for bit, and the twins'
+    s_q, s_kv, h, d, k = 48, 10000, 64, 128, 2048
+    b, next_n, bs, nb, max_len = 6, 2, 64, 200, 4000
+    q = torch.empty(s_q, h, d, dtype=torch.float8_e4m3fn, device=DEVICE)
+    kv = torch.empty(s_kv, d, dtype=torch.float8_e4m3fn, device=DEVICE)
+    sc = torch.empty(s_kv, device=DEVICE)
+    w = torch.empty(s_q, h, device=DEVICE)
+    ks = torch.empty(s_q, dtype=torch.int32, device=DEVICE)
+    ke = torch.empty(s_q, dtype=torch.int32, device=DEVICE)
+    qp = torch.empty(b, next_n, h, d, dtype=torch.float8_e4m3fn, device=DEVICE)
+    wp = torch.empty(b * next_n, h, device=DEVICE)
+    ctx = torch.empty(b, dtype=torch.int32, device=DEVICE)
+    table = torch.empty(b, max_len // bs + 2, dtype=torch.int32, device=DEVICE)
+    cache = empty_cache(nb, bs, d)
+    meta = flash_mla.get_paged_mqa_logits_metadata(
+        ctx.cpu(), bs, torch.cuda.get_device_properties(0).multi_processor_count
+    )
+
+    def refill(seed):
+        g = torch.Generator().manual_seed(seed)
+        q.copy_(random_q((s_q, h, d), seed))
+        kv.copy_(random_q((s_kv, d), seed + 1))
+        sc.copy_(torch.rand(s_kv, generator=g) + 0.05)
+        w.copy_(torch.randn(s_q, h, generator=g))
+        lo = torch.randint(0, s_kv // 2, (s_q,), generator=g)
+        hi = lo + torch.randint(0, s_kv, (s_q,), generator=g)
+        lo[0], hi[0] = 0, s_kv  # a whole row; a row of fewer than k keys; an empty row
+        lo[1], hi[1] = 100, 100 + k // 3
+        lo[2], hi[2] = 50, 50
+        ks.copy_(lo.int())
+        ke.copy_(hi.clamp(max=s_kv).int())
+        qp.copy_(random_q((b, next_n, h, d), seed + 2))
+        wp.copy_(torch.randn(b * next_n, h, generator=g))
+        c = torch.randint(1, max_len + 1, (b,), generator=g)
+        c[0], c[1] = 1, bs * 5 + 1  # a one-key context; one a key into its last page
+        ctx.copy_(c.int())
+        table.copy_(torch.randint(0, nb, table.shape, generator=g).int())
+        flash_mla.indexer_k_quant_and_cache(
+            random_keys(nb * bs, d, seed + 3), cache, torch.randperm(nb * bs, generator=g).to(DEVICE)
+        )
+
+    def step():
+        lg = flash_mla.fp8_mqa_logits(q, (kv, sc), w, ks, ke)
+        top = flash_mla.topk_indices(lg, k, ks, ke)
+        plg = flash_mla.fp8_paged_mqa_logits(qp, cache, wp, ctx, table, meta, max_len)
+        ends = ctx.repeat_interleave(next_n) - next_n + torch.arange(1, next_n + 1, device=DEVICE).repeat(b)
+        ptop = flash_mla.topk_indices(plg, k, row_ends=ends)
+        return lg, top, plg, ptop, ends
+
+    refill(1)
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for trial in range(3):
+        refill(10 + trial)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for got, want in zip(outs, eager, strict=True):
+            assert torch.equal(got, want)
+        lg, top, plg, ptop, ends = outs
+        want_lg = fp8_mqa_logits_reference(q, kv, sc, w, ks, ke)
+        close_to(lg, want_lg, fp8_mqa_logits_reference(abs_e4m3(q), abs_e4m3(kv), sc, w.abs(), ks, ke))
+        assert torch.equal(top.cpu(), topk_indices_reference(lg.cpu(), k, ks.cpu(), ke.cpu()))
+        assert (top[1, k // 3 :] == -1).all() and (top[2] == -1).all()
+        want_plg = fp8_paged_mqa_logits_reference(qp, cache, wp, ctx, table, max_len)
+        mag = fp8_paged_mqa_logits_reference(abs_e4m3(qp), abs_index_cache(cache), wp.abs(), ctx, table, max_len)
+        assert torch.equal(torch.isinf(plg), torch.isinf(want_plg))
+        close_to(plg, want_plg, mag)
+        assert torch.equal(ptop.cpu(), topk_indices_reference(plg.cpu(), k, None, ends.cpu()))
+        # the one-key context: query 0 sees no key, query 1 key 0
+        assert torch.isneginf(plg[0]).all() and torch.isfinite(plg[1, 0]) and torch.isneginf(plg[1, 1:]).all()
+        assert (ptop[0] == -1).all() and ptop[1, 0] == 0 and (ptop[1, 1:] == -1).all()
+
+
 # ------------------------------------------------------------------------------ validation
 
 
@@ -1280,6 +1471,98 @@ def test_topk_split_path_lists_and_flags():
     got = torch.empty(6, k, dtype=torch.int32, device=DEVICE)
     K.launch_topk(xd, None, None, got, k, k, config=SPLIT_SMALL, ordered=False)
     assert torch.equal(got.cpu(), out.cpu())  # (the public call is these launches)
+
+
+# k 4096 on each top-k path (n: the smallest rows that take it at the default TOPK_CONFIG, which
+# `cfg` changes): the register path (n_p2 8192 <= bisect, n < split), with its list of 2 k (the whole
+# row) or of k (bisect_cap 1: rows with more keys at or above the top bits take the select pass over
+# the row); the split path at n == split (its list of 2 k holds the whole row) and with a list of k
+# (split_cap 1: rows the sample misjudges flagged, finished by the radix select over the row)
+K4096_PATHS = {
+    "register": (6000, {}),
+    "register-cap1": (6000, {"bisect_cap": 1}),
+    "split": (8192, {}),
+    "split-cap1": (8192, {"split_cap": 1}),
+}
+
+
+def _k4096_rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """8 rows of ``n`` for k 4096: ties at the k-th key, NaN / +-inf / -0.0, and ranges of fewer
+    than k keys (-1 padding), of exactly k, of k + 1 and of none."""
+    g = torch.Generator().manual_seed(seed)
+    k = 4096
+    x = (torch.randint(0, 12, (8, n), generator=g).float() - 6) / 4  # 12 levels: ties everywhere
+    x[1] = torch.randn(n, generator=g).clamp(-4, 4)
+    x[1, 100:2100] += 10  # 2000 above a block of 3000 tied keys: 2096 of them taken, by position
+    x[1, 2500:5500] = 5.0
+    x[2, torch.arange(n) % 3 != 2] = float("nan")  # fewer than k non-NaN keys: the k-th among the NaN
+    x[2, 2::9] = float("inf")
+    x[2, 5::9] = float("-inf")
+    x[2, 8::9] = -0.0
+    x[6] = 0.5  # one value: k + 1 tied keys, the last dropped
+    lo = torch.zeros(8, dtype=torch.int64)
+    hi = torch.full((8,), n, dtype=torch.int64)
+    lo[3], hi[3] = 100, 3100  # 3000 keys: 1096 entries -1
+    lo[4], hi[4] = n // 2, n // 2  # empty
+    lo[5], hi[5] = n - k, n + 50  # exactly k keys (the end clamped to n)
+    lo[6], hi[6] = 7, 7 + k + 1
+    lo[7], hi[7] = -20, k - 1  # k - 1 keys (the start clamped to 0): one -1
+    return x, lo, hi
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", list(K4096_PATHS))
+def test_topk_k4096_sets_match_twin(path, monkeypatch):
+    # k 4096 (the issue's "k up to 2048 (and 4096)"): topk_indices and topk_kvcache_indices without
+    # the final sort (the interpreter's sort of 4096 keys is slow: rank order in the test below)
+    # give the twin's sets, ties by position and -1 padding included
+    from sparse_mla.indexer import kernels as K
+
+    n, cfg = K4096_PATHS[path]
+    for key, v in cfg.items():
+        monkeypatch.setitem(K.TOPK_CONFIG, key, v)
+    k, next_n, pbs = 4096, 2, 64
+    x, lo, hi = _k4096_rows(n, seed=n + len(cfg))
+    want = topk_indices_reference(x, k, lo, hi)
+    assert (want == -1).sum(1).tolist() == [0, 0, 0, 1096, k, 0, 0, 1]
+    tied = torch.cat([torch.arange(100, 2100), torch.arange(2500, 2500 + k - 2000)]).int()
+    assert torch.equal(want[1].sort().values, tied) and torch.equal(want[6], torch.arange(7, 7 + k).int())
+    xd, lod, hid = x.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE)
+    got = flash_mla.topk_indices(xd, k, lod, hid, sorted=False)
+    assert got.shape == (8, k) and same_index_sets(got, want)
+    # the fused slot map through a block table of distinct blocks (so the slots are distinct too), on
+    # the tied row and a padded one (two rows: the interpreter's split path takes ~1 s a row)
+    r = [1, 3]
+    b, pages = len(r) // next_n, -(-n // pbs)
+    table = torch.randperm(b * pages, generator=torch.Generator().manual_seed(n)).view(b, pages).int()
+    slots = flash_mla.topk_kvcache_indices(xd[r], k, table.to(DEVICE), pbs, next_n, lod[r], hid[r], sorted=False)
+    want_slots = abs_indices_to_kvcache_indices(want[r].view(b, next_n, k), table, pbs)
+    assert slots.shape == (b, next_n, k) and same_index_sets(slots, want_slots)
+
+
+@needs_kernels
+@pytest.mark.parametrize("path, row, fused", [("register", 1, False), ("split", 2, True)])
+def test_topk_k4096_rank_order_matches_twin(path, row, fused, monkeypatch):
+    # k 4096 in rank order (the kernels' sort of 4096 rank keys), one row each (the interpreter sorts
+    # 4096 keys in ~15 s): the row with 2096 of 3000 tied keys taken by position, and the row of NaN,
+    # +-inf and -0.0 whose k-th key lies among the NaN, as slots of a one-request block table
+    from sparse_mla.indexer import kernels as K
+
+    n, cfg = K4096_PATHS[path]
+    for key, v in cfg.items():
+        monkeypatch.setitem(K.TOPK_CONFIG, key, v)
+    k, pbs = 4096, 16
+    x, _, _ = _k4096_rows(n, seed=n + len(cfg))
+    x = x[row : row + 1]
+    want = topk_indices_reference(x, k)
+    if not fused:
+        got = flash_mla.topk_indices(x.to(DEVICE), k)
+        assert torch.equal(got.cpu(), want)
+        return
+    table = torch.randperm(n // pbs + 3, generator=torch.Generator().manual_seed(row))[: n // pbs].view(1, -1).int()
+    got = flash_mla.topk_kvcache_indices(x.to(DEVICE), k, table.to(DEVICE), pbs)
+    assert torch.equal(got.cpu(), abs_indices_to_kvcache_indices(want.view(1, 1, k), table, pbs))
+    assert torch.isnan(x[0, int(want[0, -1])]) and torch.isinf(x[0, int(want[0, 0])])  # +inf first, NaN last
 
 
 @pytest.mark.skipif(
