@@ -34,6 +34,36 @@ def token_byte_offsets(k_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tens
     return torch.cat([data, sc], dim=1)
 
 
+#: a byte that is NaN read as e4m3, bf16, fp32 and e8m0 alike: NaN data and NaN scales
+NAN_BYTE = 0xFF
+
+
+def poison_slots(k_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Every byte of the records of ``slots`` (data and scales) := :data:`NAN_BYTE`, in place."""
+    flat = storage_bytes(k_cache)
+    flat[token_byte_offsets(k_cache, slots).reshape(-1).to(flat.device)] = NAN_BYTE
+
+
+def poison_unattended(kc: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor | None) -> int:
+    """Fill every byte of ``kc``'s storage with :data:`NAN_BYTE` (NaN data and NaN scales, block
+    padding too), except the bytes of the slots that some valid, counted index attends (an index
+    below ``topk_length``, in ``[0, num_tokens)``). Returns the number of kept slots."""
+    nb, pbs = kc.shape[:2]
+    n_tok = nb * pbs
+    b, _, topk = indices.shape
+    pos = torch.arange(topk).view(1, 1, -1)
+    counted = pos < (lengths.cpu().long().view(-1, 1, 1) if lengths is not None else topk)
+    ix = indices.cpu().long()
+    ok = counted & (ix >= 0) & (ix < n_tok)
+    used = torch.unique(ix[ok])
+    flat = storage_bytes(kc)
+    at = token_byte_offsets(kc, used).reshape(-1).to(flat.device)
+    keep = flat[at].clone()
+    flat.fill_(NAN_BYTE)
+    flat[at] = keep
+    return used.numel()
+
+
 def quantized_token_bytes(kv: torch.Tensor) -> torch.Tensor:
     """``[n, 656]`` (d_qk 576) or ``[n, 584]`` (d_qk 512) uint8: what ``quantize_k_cache`` stores
     for each token (data record, then scales), made with a one-token page block per token."""

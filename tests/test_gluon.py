@@ -10,14 +10,13 @@ import dataclasses
 
 import pytest
 import torch
-from cache_bytes import storage_bytes
+from cache_bytes import poison_unattended, storage_bytes
 from helpers import check_decode_close
 
 import sparse_mla as flash_mla
 from sparse_mla import quantize_k_cache
 from sparse_mla.reference import sparse_decode_reference
 from sparse_mla.scheduler import batch_num_blocks
-from test_small_heads import _poison_unattended
 
 
 def _is_hopper() -> bool:
@@ -341,9 +340,9 @@ def test_model1_page_sizes_lonely_rows_nan_unattended(h_q, pbs):
     eidx[0, 1] = -1
     idx[1] = -1
     eidx[1] = -1
-    kept = _poison_unattended(kc, idx, kw["topk_length"])
+    kept = poison_unattended(kc, idx, kw["topk_length"])
     assert 0 < kept < _n_tokens(kc)
-    kept = _poison_unattended(ekc, eidx, kw["extra_topk_length"])
+    kept = poison_unattended(ekc, eidx, kw["extra_topk_length"])
     assert 0 < kept < _n_tokens(ekc)
     lonely = torch.zeros(b, s_q, dtype=torch.bool, device=DEV)
     lonely[0, 1] = lonely[1] = lonely[3] = True
@@ -445,7 +444,7 @@ def test_cuda_graph_replay_with_lengths_and_extra(layout, h_q, sched):
         sink[2 + trial] = float("inf")
         sink[5] = float("-inf")
         for cache, ix, n in ((kc, idx, kw["topk_length"]), (ekc, eidx, kw["extra_topk_length"])):
-            assert 0 < _poison_unattended(cache, ix, n) < _n_tokens(cache)
+            assert 0 < poison_unattended(cache, ix, n) < _n_tokens(cache)
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
         replay()

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from cache_bytes import storage_bytes, token_byte_offsets
+from cache_bytes import poison_slots, storage_bytes
 from helpers import cache_to, make_cache, random_latent_k, triton_interpret_enabled
 
 import sparse_mla as flash_mla
@@ -180,23 +180,12 @@ def test_corner_cases(form, d_qk):
 
 
 def poison_keys(kv, rows):
-    """Make the keys at ``rows`` NaN: bf16 rows, or those cache slots' records (found through
-    tests/cache_bytes.py, strides and MODEL1 block padding included): every FP8 value 0x7F (e4m3
-    NaN), every RoPE value bf16 NaN (0x7FC0) and every scale NaN (fp32 for V32, e8m0 0xFF for
-    MODEL1); the bytes of the other slots stay as they were."""
+    """Make the keys at ``rows`` NaN: bf16 rows, or every byte of those cache slots' records
+    (:func:`cache_bytes.poison_slots`: NaN FP8 values, RoPE and scales); the rest stays."""
     if kv.dtype == torch.bfloat16:
         kv[rows] = float("nan")
-        return
-    flat = storage_bytes(kv)
-    at = token_byte_offsets(kv, rows)  # [n, 656 | 584]: the data record, then (MODEL1) the scales
-    rec = torch.full(at.shape, 0x7F, dtype=torch.uint8)
-    if at.shape[1] == 656:  # V32: 512 FP8 | 4 fp32 scales | 64 bf16 RoPE
-        rec[:, 512:528] = torch.tensor([0x00, 0x00, 0xC0, 0x7F], dtype=torch.uint8).repeat(4)
-        rec[:, 528:656] = torch.tensor([0xC0, 0x7F], dtype=torch.uint8).repeat(64)
-    else:  # MODEL1: 448 FP8 | 64 bf16 RoPE, then 7 e8m0 scales + 1 pad byte
-        rec[:, 448:576] = torch.tensor([0xC0, 0x7F], dtype=torch.uint8).repeat(64)
-        rec[:, 576:584] = 0xFF
-    flat[at.reshape(-1).to(flat.device)] = rec.reshape(-1).to(flat.device)
+    else:
+        poison_slots(kv, rows)
 
 
 @needs_kernels

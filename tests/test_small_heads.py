@@ -18,7 +18,7 @@ import zlib
 
 import pytest
 import torch
-from cache_bytes import storage_bytes, token_byte_offsets
+from cache_bytes import poison_unattended
 from helpers import check_decode_close, make_problem
 
 import sparse_mla as flash_mla
@@ -167,26 +167,6 @@ def test_matches_reference(case):
             assert (out[:, :, 1].float() != 0).any()
 
 
-def _poison_unattended(kc: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor | None) -> int:
-    """Fill every byte of ``kc``'s storage with 0xFF (NaN as e4m3, bf16, fp32 and e8m0 alike, so
-    NaN data and NaN scales), except the bytes of the slots that some valid, counted index attends
-    (an index below ``topk_length``, in ``[0, num_tokens)``). Returns the number of kept slots."""
-    nb, pbs = kc.shape[:2]
-    n_tok = nb * pbs
-    b, _, topk = indices.shape
-    pos = torch.arange(topk).view(1, 1, -1)
-    counted = pos < (lengths.cpu().long().view(-1, 1, 1) if lengths is not None else topk)
-    ix = indices.cpu().long()
-    ok = counted & (ix >= 0) & (ix < n_tok)
-    used = torch.unique(ix[ok])
-    flat = storage_bytes(kc)
-    at = token_byte_offsets(kc, used).reshape(-1).to(flat.device)
-    keep = flat[at].clone()
-    flat.fill_(0xFF)
-    flat[at] = keep
-    return used.numel()
-
-
 @needs_kernels
 @pytest.mark.parametrize(
     "h_q, layout, s_q, pbs, extra",
@@ -212,10 +192,10 @@ def test_nan_in_unattended_slots_never_leaks(h_q, layout, s_q, pbs, extra):
         0.3,
     )
     n_tok = p.k_cache.shape[0] * p.k_cache.shape[1]
-    kept = _poison_unattended(p.k_cache, p.indices, p.topk_length)
+    kept = poison_unattended(p.k_cache, p.indices, p.topk_length)
     assert 0 < kept < n_tok
     if extra:
-        kept = _poison_unattended(p.extra_k_cache, p.extra_indices, p.extra_topk_length)
+        kept = poison_unattended(p.extra_k_cache, p.extra_indices, p.extra_topk_length)
         assert 0 < kept < p.extra_k_cache.shape[0] * p.extra_k_cache.shape[1]
     for out, lse in check_both_schedules(p):
         assert torch.isfinite(out.float()).all() and not torch.isnan(lse).any()
