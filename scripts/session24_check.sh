@@ -10,8 +10,7 @@
 # Logs to $OUT/<mode>.log; JSON results packed into $OUT/<mode>_json.tar (the device returns at most 8 files).
 source "$(dirname "$0")/probe_common.sh"
 mode=${1:?tests or bench}
-probe_init "$mode"
-N="-n 12"; PYTHONPATH="$PWD/build/pylib" python3 -c "import xdist" 2>/dev/null || N=""
+JOBS=12 probe_init "$mode"
 export PYTHONPATH="$PWD/src:$PWD"
 J=$OUT/json; mkdir -p "$J"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a $L
@@ -31,8 +30,7 @@ sim() {  # label, src, extra args
 if [ "$mode" = tests ]; then
   echo "== pytest tests/ $N" | tee -a $L
   s=$SECONDS
-  PYTHONPATH="$PWD/build/pylib:$PYTHONPATH" timeout 420 python3 -m pytest -q -p no:cacheprovider $N tests/ -rf 2>&1 \
-    | tee "$OUT/pytest.log" | tail -30 | tee -a $L
+  probe_pytest 420 tests/ | tee "$OUT/pytest.log" | tail -30 | tee -a $L
   echo "   (pytest: $((SECONDS - s)) s)" | tee -a $L
   step 60 "host" python3 -m benchmarks.host --quick --json "$J/host.json"
   sim plain "$PWD/src"
