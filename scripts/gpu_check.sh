@@ -6,6 +6,13 @@
 # Run on the device from the repo root; logs and the benchmarks' JSON go to $OUT (or ./gpu_out).
 # Extra arguments go to pytest.
 #
+#   scripts/gpu_check.sh --indexer [--sweep [paged|prefill|topk]]
+#     instead runs the indexer alone: the offline compile report of its kernels for this GPU's arch
+#     (scripts/indexer_compile_check.py: registers, spills, wgmma/e4m3, cp.async; PTX in
+#     $OUT/indexer_ptx), tests/test_indexer.py, then `python -m benchmarks.indexer --quick`; with
+#     --sweep also the launch-parameter sweep (benchmarks/indexer_sweep.py; several minutes per
+#     kernel: name one to stay inside a 10-minute call).
+#
 #   scripts/gpu_check.sh --memcheck [pytest args]
 #     instead runs the small-shape kernel tests (every kernel, the view and corner cases of
 #     tests/test_contract_edges.py included) under `compute-sanitizer --tool memcheck`, with
@@ -22,6 +29,19 @@ OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 source "$(dirname "$0")/triton_bundle_env.sh" || exit 3
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+if [ "${1:-}" = "--indexer" ]; then
+    arch=$(python3 -c "import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)")
+    python3 scripts/indexer_compile_check.py --arch "$arch" --dump "$OUT/indexer_ptx" 2>&1 | tee "$OUT/indexer_compile.log"
+    python3 -m pytest -q -p no:cacheprovider tests/test_indexer.py 2>&1 | tee "$OUT/pytest_indexer.log" | tail -25
+    status=${PIPESTATUS[0]}
+    python3 -m benchmarks.indexer --quick --json "$OUT/bench_indexer.json" 2>&1 | tee "$OUT/bench_indexer.log"
+    if [ "${2:-}" = "--sweep" ]; then
+        only=()
+        [ -n "${3:-}" ] && only=(--only "$3")
+        python3 -m benchmarks.indexer_sweep --quick "${only[@]}" --json "$OUT/indexer_sweep.json" 2>&1 | tee "$OUT/indexer_sweep.log"
+    fi
+    exit "$status"
+fi
 if [ "${1:-}" = "--memcheck" ]; then
     shift
     # small shapes only: memcheck slows every kernel by 10-100x
@@ -39,8 +59,8 @@ if [ "${1:-}" = "--memcheck" ]; then
     grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | tail -1
     exit "$status"
 fi
-# pytest-xdist where importable (JOBS workers, default 12): the suite took 5.4 min on the H200's 16 cores with 12
-# (session 18: 876 passed, 82 skipped). The device image has none; carry it as build/pylib, e.g.
+# pytest-xdist where importable (JOBS workers, default 12): the suite takes about 5.5 min on an H200
+# machine's 16 cores with 12. The device image has none; carry it as build/pylib, e.g.
 #   mkdir -p build/pylib && cp -r "$(python -c 'import xdist, os; print(os.path.dirname(xdist.__path__[0]))')"/{xdist,execnet} build/pylib/
 [ -d build/pylib ] && export PYTHONPATH="$PWD/build/pylib:$PYTHONPATH"
 N=""; python3 -c "import xdist" 2>/dev/null && N="-n ${JOBS:-12}"

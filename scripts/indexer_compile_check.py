@@ -151,7 +151,7 @@ def cases(arch: int):
         {**bis, "VEC": 4},
         tc["bisect_warps"],
     )
-    # TOPK_CONFIG["bisect_maxnreg"] = 64 (two rows an SM; slower on the H200, session 17): its spills are expected,
+    # TOPK_CONFIG["bisect_maxnreg"] = 64 (two rows an SM; measured slower on the H200): its spills are expected,
     # printed to be compared with the default's
     yield (
         "topk k=2048 bisect, unsorted, a 64-register cap",
@@ -209,7 +209,7 @@ def main() -> int:
             print("  ptxas failed:", r.stderr[-2000:])
             ok = False
         # the tensor-memory kernel's register cap (3 programs per SM) costs 12 B of spills at
-        # next_n 2: measured faster than 180 registers without them (docs/perf-log.md, session 9)
+        # next_n 2: measured faster than 180 registers without them (H200, 2026-12-01)
         limit = a.max_spill + (16 if tma_cap else 0) + opt.get("spill", 0)
         if st > limit or ld > limit:
             ok = False

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Pack a Triton wheel into a tarball small enough to carry to a machine without network access
-# (the lent GPU has torch 2.11 + Triton 3.6; torch 2.14 users have Triton 3.8):
+# (the GPU test machine has torch 2.11 + Triton 3.6; torch 2.14 users have Triton 3.8):
 #
 #   scripts/triton_bundle.sh triton-3.8.0-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl build/t38
 #
 # Writes build/t38/triton.tar.xz (~40 MB for 3.8.0): the package without the profiler library,
 # the NVIDIA binaries (ptxas, cuobjdump, nvdisasm: take the machine's CUDA ones) and CUPTI;
-# libtriton stripped. The wheel's Python tag must match the target's python3 (3.12 on the lent
+# libtriton stripped. The wheel's Python tag must match the target's python3 (3.12 on the
 # H200). On the target, `TRITON_BUNDLE=build/t38/triton.tar.xz scripts/gpu_check.sh` does the
 # following itself:
 #

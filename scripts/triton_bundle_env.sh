@@ -1,4 +1,4 @@
-# Sourced by scripts/gpu_check.sh and scripts/cluster_probes.sh: when TRITON_BUNDLE names a
+# Sourced by scripts/gpu_check.sh: when TRITON_BUNDLE names a
 # tarball from scripts/triton_bundle.sh, unpack it to /tmp/triton_bundle, link the machine's CUDA
 # ptxas / cuobjdump / nvdisasm into it (the bundle leaves its own out), put it first on PYTHONPATH
 # and give it its own kernel cache. Returns 3 if the tarball cannot be unpacked.
