@@ -30,8 +30,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from sparse_mla.decode.hopper import _cta_barrier  # the CTA barrier of the installed Gluon
-from sparse_mla.decode.launcher import carveout_hint, launch
+from sparse_mla.core.launcher import carveout_hint, launch
+from sparse_mla.decode.kernels.hopper import _cta_barrier
 from sparse_mla.formats import cache_bytes
 
 from . import harness
@@ -83,7 +83,7 @@ def gather_max(
     their records in ``k_cache`` (a paged FP8 cache ``[num_blocks, page_block_size, 1, bytes]``,
     records a multiple of 16 bytes at 16-byte aligned addresses). Returns int32 ``[ceil(n / 64)]``;
     a group with no valid index gives ``-2**31``. ``carveout``: the shared-memory carveout hint
-    (percent, -1: the driver's default; :func:`sparse_mla.decode.launcher.set_smem_carveout`), set
+    (percent, -1: the driver's default; :func:`sparse_mla.core.launcher.set_smem_carveout`), set
     before the launch.
 
     Raises:

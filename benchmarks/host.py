@@ -9,7 +9,7 @@ For each small-batch shape (where eager calls are host-bound) it reports, in µs
 * ``stub``: the same call with the backend's launch replaced by a function returning ready
   outputs (the Python path without Triton; this mode also runs on a CPU);
 * ``stub_launch``: the same call on the Hopper backend with only Triton's compiled launcher stubbed
-  (:mod:`sparse_mla.decode.launch_stub`): our whole Python path including our side of the two
+  (:mod:`benchmarks.launch_stub`): our whole Python path including our side of the two
   launches (argument packing, specialisation checks), up to the C launcher; also on a CPU, where
   the kernel modules are then loaded under ``TRITON_INTERPRET=1`` (nothing is interpreted: no
   kernel runs); ``stub_launch_out``: the same with the caller's ``out``/``lse`` (no allocation);
@@ -38,8 +38,8 @@ if not torch.cuda.is_available():  # CPU-only: the stub modes need kernel module
 
 import sparse_mla as flash_mla  # noqa: E402
 from sparse_mla.decode import backends as backends_mod  # noqa: E402
-from sparse_mla.plan import ensure_plan  # noqa: E402
-from sparse_mla.problem import validate_sparse_decode  # noqa: E402
+from sparse_mla.decode.plan import ensure_plan
+from sparse_mla.decode.problem import validate_sparse_decode
 
 from . import harness  # noqa: E402
 from .harness import DecodeShape  # noqa: E402
@@ -78,9 +78,9 @@ def decode_call(
 
 def stub_launch_us(inp: harness.DecodeInputs, n: int, sync: Callable[[], None], outputs: bool = False) -> float:
     """Host µs per call of the Hopper backend's path with Triton's compiled launcher stubbed
-    (:mod:`sparse_mla.decode.launch_stub`); the calls rotate over the index sets (new tensors);
+    (:mod:`benchmarks.launch_stub`); the calls rotate over the index sets (new tensors);
     ``outputs``: with the caller's ``out``/``lse`` buffers (no allocation per call)."""
-    from sparse_mla.decode.launch_stub import stub_compiled_launches
+    from benchmarks.launch_stub import stub_compiled_launches
 
     b, s_q, h_q, _ = inp.q.shape
     kw = {}

@@ -16,9 +16,9 @@ import sys
 import torch
 
 from sparse_mla.decode import get_backend
-from sparse_mla.decode.hopper import HopperConfig
-from sparse_mla.plan import plan_decode
-from sparse_mla.problem import validate_sparse_decode
+from sparse_mla.decode.kernels.hopper import HopperConfig
+from sparse_mla.decode.plan import plan_decode
+from sparse_mla.decode.problem import validate_sparse_decode
 
 from . import harness
 from .variants import parse_variant

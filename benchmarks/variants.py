@@ -1,5 +1,5 @@
 """Time kernel variants side by side, in one process: a variant is a backend with a launch config
-(:class:`sparse_mla.decode.hopper.HopperConfig`, :class:`sparse_mla.decode.portable.PortableConfig`),
+(:class:`sparse_mla.decode.kernels.hopper.HopperConfig`, :class:`sparse_mla.decode.kernels.portable.PortableConfig`),
 including the Hopper kernel's profiling modes (producer alone, consumer alone, gathers of one
 cache-resident token). A variant marked ``check`` is first compared with the fp32 reference on
 small shapes (split and unsplit schedules) and reported FAIL if it misses FlashMLA's tolerances.
@@ -21,10 +21,15 @@ import torch
 
 import sparse_mla as flash_mla
 from sparse_mla.decode import get_backend
-from sparse_mla.decode.hopper import PROFILE_CACHED_TOKEN, PROFILE_CONSUMER_ONLY, PROFILE_PRODUCER_ONLY, HopperConfig
-from sparse_mla.decode.portable import PortableConfig
-from sparse_mla.plan import plan_decode
-from sparse_mla.problem import validate_sparse_decode
+from sparse_mla.decode.kernels.hopper import (
+    PROFILE_CACHED_TOKEN,
+    PROFILE_CONSUMER_ONLY,
+    PROFILE_PRODUCER_ONLY,
+    HopperConfig,
+)
+from sparse_mla.decode.kernels.portable import PortableConfig
+from sparse_mla.decode.plan import plan_decode
+from sparse_mla.decode.problem import validate_sparse_decode
 from sparse_mla.reference import sparse_decode_reference
 from sparse_mla.testing import decode_closeness
 
@@ -77,7 +82,7 @@ def set_hopper_default(spec: str) -> None:
     """Make ``HopperConfig(KEY=V,...)`` (``spec``, as in ``--variant``) the Hopper kernel's default
     for this process (``--hopper-config`` of the benchmarks and of the test suite); "" leaves it."""
     if spec:
-        from sparse_mla.decode import hopper
+        from sparse_mla.decode.kernels import hopper
 
         hopper._DEFAULT_CONFIG = parse_variant(f"cli=hopper:{spec}")[2]
 

@@ -26,7 +26,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from sparse_mla.decode.hopper import _cta_barrier  # the CTA barrier of the installed Gluon
+from sparse_mla.decode.kernels.hopper import _cta_barrier
 
 from . import harness
 

@@ -6,7 +6,7 @@
 Runs on any machine with Triton (no GPU needed): check the Hopper kernel compiles, and what it costs
 in registers, spills and shared memory, after every change to it.
 
-Compiles ``sparse_mla.decode.hopper._sparse_decode_gluon_kernel`` for sm_90a
+Compiles ``sparse_mla.decode.kernels.hopper._sparse_decode_gluon_kernel`` for sm_90a
 (``GPUTarget("cuda", 90, 32)``), prints Triton's register/smem numbers, assembles the PTX with the
 ptxas shipped with Triton (``-arch=sm_90a -v``: registers, spills per kernel) and counts HGMMA /
 mbarrier / setmaxnreg instructions in the SASS (``cuobjdump -sass``). Exit code 1 if something
@@ -33,7 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from sparse_mla.decode import hopper as sdg
+from sparse_mla.decode.kernels import hopper as sdg
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = {

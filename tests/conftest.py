@@ -34,8 +34,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     # then be compiled ones, and every later interpreter test of that module would fail)
     import importlib
 
-    for _mod in ("decode.portable", "decode.combine", "prefill.portable", "indexer.kernels",
-                 "serving.store", "serving.index_convert"):  # fmt: skip
+    for _mod in ("decode.kernels.portable", "decode.kernels.combine", "prefill.kernels.portable",
+                 "indexer.kernels", "kvcache.store", "kvcache.index_convert"):  # fmt: skip
         importlib.import_module(f"sparse_mla.{_mod}")
 
 

@@ -15,9 +15,9 @@ from helpers import cache_to, check_decode_close, make_problem
 
 import sparse_mla as flash_mla
 from sparse_mla.decode import AUTO_ORDER, BACKENDS, backend_support, get_backend, resolve_backend
-from sparse_mla.problem import validate_sparse_decode
+from sparse_mla.decode.problem import validate_sparse_decode
+from sparse_mla.decode.scheduler import compute_num_sm_parts
 from sparse_mla.reference import sparse_decode_reference
-from sparse_mla.scheduler import compute_num_sm_parts
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -40,7 +40,7 @@ def test_variant_fields_parse_bools_none_and_ints():
 
 def test_set_hopper_default(monkeypatch):
     from benchmarks.variants import set_hopper_default
-    from sparse_mla.decode import hopper
+    from sparse_mla.decode.kernels import hopper
 
     monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", hopper._DEFAULT_CONFIG)  # restored after the test
     before = hopper._DEFAULT_CONFIG

@@ -103,7 +103,7 @@ def test_length_and_sink_views(kind, entry, num_sms):
 def test_combine_empty_split_rows_holding_nan():
     # a split with no valid key (lse -inf) adds nothing whatever its partial row holds (NaN, inf);
     # a NaN lse makes its request's output NaN. The reference and the kernel agree on both
-    from sparse_mla.decode.combine import combine_fwd
+    from sparse_mla.decode.kernels.combine import combine_fwd
 
     g = torch.Generator().manual_seed(9)
     s_q, h_q, d_v = 1, 4, 512
@@ -127,7 +127,7 @@ def test_combine_empty_split_rows_holding_nan():
 @needs_kernels
 @pytest.mark.parametrize("kind", ["strided", "offset"])
 def test_combine_views(kind):
-    from sparse_mla.decode.combine import combine_fwd
+    from sparse_mla.decode.kernels.combine import combine_fwd
 
     g = torch.Generator().manual_seed(8)
     s_q, h_q, d_v, rows = 2, 16, 512, 6
@@ -399,7 +399,7 @@ def test_interpreter_set_too_late_says_what_to_do():
     code = """
 import os, torch
 import sparse_mla as flash_mla
-import sparse_mla.decode.portable  # kernels defined compiled
+import sparse_mla.decode.kernels.portable  # kernels defined compiled
 from helpers import make_problem
 p = make_problem(b=1, h_q=16, topk=64)
 os.environ["TRITON_INTERPRET"] = "1"
@@ -553,7 +553,7 @@ def test_a_repeated_call_checks_its_scalars_as_the_first():
 @needs_kernels
 def test_pool_views_at_other_offsets_share_the_scheduler_objects_entry(monkeypatch):
     # layers as views of one cache pool: one scheduler object, validated once for all of them
-    import sparse_mla.serving.ops as ops
+    import sparse_mla.decode.eager as ops
 
     p = to_dev(make_problem(b=2, s_q=1, h_q=16, topk=64, num_blocks=4, seed=34))
     pool = torch.cat([p.k_cache.view(torch.uint8)] * 2)  # two layers' caches, the same bytes

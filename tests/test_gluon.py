@@ -15,8 +15,8 @@ from helpers import check_decode_close
 
 import sparse_mla as flash_mla
 from sparse_mla import quantize_k_cache
+from sparse_mla.decode.scheduler import batch_num_blocks
 from sparse_mla.reference import sparse_decode_reference
-from sparse_mla.scheduler import batch_num_blocks
 
 
 def _is_hopper() -> bool:
@@ -221,7 +221,8 @@ def test_smem_carveout_hint_keeps_results(h_q, monkeypatch):
     # it, and a launch with -1 takes it back
     import ctypes
 
-    from sparse_mla.decode import hopper, launcher
+    from sparse_mla.core import launcher
+    from sparse_mla.decode.kernels import hopper
 
     if hopper._DEFAULT_CONFIG.smem_carveout != 0:
         pytest.skip("tests the default hint (0); this run's --hopper-config sets another")
@@ -251,7 +252,7 @@ def test_smem_carveout_hint_keeps_results(h_q, monkeypatch):
 def test_l2_store_probe_keeps_outputs(layout, monkeypatch):
     # PROFILE_L2_STORE (the producer also stores half of every converted tile to a scratch of its
     # own, to time those stores): the outputs stay the kernel's
-    from sparse_mla.decode import hopper
+    from sparse_mla.decode.kernels import hopper
 
     cfg = dataclasses.replace(hopper._DEFAULT_CONFIG, profile=hopper.PROFILE_L2_STORE, half_stages=False)
     monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", cfg)
@@ -267,7 +268,7 @@ def test_half_stages(layout, num_sms, h_q, monkeypatch):
     # HopperConfig.half_stages (64-head tiles in three 32-token ring stages; the MODEL1 decode's
     # default) with every feature: topk_length (0 and 1 included), an extra cache with its
     # lengths, attn_sink, NaN past the lengths
-    from sparse_mla.decode import hopper
+    from sparse_mla.decode.kernels import hopper
 
     cfg = dataclasses.replace(hopper._DEFAULT_CONFIG, half_stages=True)
     monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", cfg)
@@ -295,7 +296,7 @@ def test_narrow_config_both_ways(layout, field, value, h_q, monkeypatch):
     # and narrow_staged_out on (default: the bf16-row prefill only): lengths 0 and 1, attn_sink, NaN
     # past the lengths, split and unsplit schedules (several requests a partition: Q staged again
     # after a staged epilogue)
-    from sparse_mla.decode import hopper
+    from sparse_mla.decode.kernels import hopper
 
     monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", dataclasses.replace(hopper._DEFAULT_CONFIG, **{field: value}))
     q, kc, idx, kw = make_case(

@@ -104,13 +104,13 @@ def test_l2_store_probe_compiles(tmp_path):
 def test_pdl_only_on_cuda():
     import torch
 
-    from sparse_mla.runtime import pdl_enabled
+    from sparse_mla.core.env import pdl_enabled
 
     assert pdl_enabled(torch.device("cpu")) is False
 
 
 def test_hopper_config_rejects_bad_register_counts():
-    from sparse_mla.decode.hopper import HopperConfig
+    from sparse_mla.decode.kernels.hopper import HopperConfig
 
     with pytest.raises(ValueError, match="HopperConfig.pv_regs: expected a positive int"):
         HopperConfig(pv_regs=0)
@@ -126,7 +126,7 @@ def test_hopper_config_rejects_bad_register_counts():
 
 
 def test_hopper_config_rejects_bad_16_head_tile_settings():
-    from sparse_mla.decode.hopper import HopperConfig
+    from sparse_mla.decode.kernels.hopper import HopperConfig
 
     for w in (1, 3):  # one warp a partition: Triton pads the two to a warpgroup (8 warps, not 6)
         with pytest.raises(ValueError, match="narrow16_producer_warps: expected 2, 4 or 8"):
@@ -162,8 +162,8 @@ def test_16_head_tiles_compile(warps, regs, maxnreg, tmp_path):
 
 
 def test_smem_carveout_hint_checks():
-    from sparse_mla.decode.hopper import HopperConfig
-    from sparse_mla.decode.launcher import set_smem_carveout
+    from sparse_mla.core.launcher import set_smem_carveout
+    from sparse_mla.decode.kernels.hopper import HopperConfig
 
     for bad in (-2, 101, True, 50.0):
         with pytest.raises(ValueError, match="HopperConfig.smem_carveout: expected -1 or a percent"):
@@ -264,7 +264,7 @@ def test_narrow_staged_out_defaults():
     # HopperConfig.narrow_staged_out: None is on for the decode (every narrow row measured faster,
     # session 20) and the bf16-row prefill, off for the FP8 cache's prefill (2 % slower at 32
     # heads); never for 64-head tiles (their own staged epilogue is the prefill's, HAS_MAX_LOGITS)
-    from sparse_mla.decode.hopper import BLOCK_H, resolve_narrow_staged_out
+    from sparse_mla.decode.kernels.hopper import BLOCK_H, resolve_narrow_staged_out
 
     assert resolve_narrow_staged_out(None, 32, kv_bf16=False, prefill=False)
     assert resolve_narrow_staged_out(None, 16, kv_bf16=True, prefill=True)

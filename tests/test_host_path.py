@@ -1,9 +1,9 @@
 """The host path of repeated eager decode calls: launches replayed from a recipe (issue 13).
 
 A scheduler object's cache entry (one per call geometry) keeps a
-:class:`~sparse_mla.decode.launcher.Replay` of its launches; a repeated call with the same
+:class:`~sparse_mla.core.launcher.Replay` of its launches; a repeated call with the same
 geometry only substitutes its tensors. Run with Triton's compiled launcher stubbed
-(:mod:`sparse_mla.decode.launch_stub`), so on a CPU too: every launch a call makes is recorded
+(:mod:`benchmarks.launch_stub`), so on a CPU too: every launch a call makes is recorded
 as the compiled launcher would get it, and compared with what the normal path (Triton's, with
 ``SPARSE_MLA_DIRECT_LAUNCH=0``) passes for the same call.
 """
@@ -17,8 +17,8 @@ import torch
 from helpers import make_problem
 
 import sparse_mla as flash_mla
-from sparse_mla.decode import launcher
-from sparse_mla.serving import ops
+from sparse_mla.core import launcher
+from sparse_mla.decode import eager as ops
 
 KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytestmark = pytest.mark.skipif(not KERNELS, reason="the launch wrappers need a GPU or TRITON_INTERPRET=1")
@@ -30,7 +30,7 @@ BACKENDS = ("hopper", "portable")
 def log():
     if torch.cuda.is_available():  # make_problem's tensors are CPU tensors: a CUDA machine would refuse them
         pytest.skip("stubbed launches run on CPU tensors under the interpreter; the GPU tests below launch for real")
-    from sparse_mla.decode.launch_stub import stub_compiled_launches
+    from benchmarks.launch_stub import stub_compiled_launches
 
     with stub_compiled_launches() as records:
         yield records
@@ -73,7 +73,7 @@ def _with_outputs_of(res, launches, res_launches):
 
 def _replay_of(meta):
     entry = meta.call_cache
-    return None if entry is None else entry[3]
+    return None if entry is None else entry.replay
 
 
 def _pointers(launches) -> set:
@@ -485,7 +485,7 @@ def test_host_int_helpers_match_triton():
     # wrapper costs several µs a call) give Triton's values, 0 included
     import triton
 
-    from sparse_mla.runtime import cdiv, next_pow2
+    from sparse_mla.core.env import cdiv, next_pow2
 
     for x in [0, 1, 2, 3, 4, 5, 63, 64, 65, 255, 256, 257, 2047, 2048, 32768, 32769, 2**31 - 1]:
         assert next_pow2(x) == triton.next_power_of_2(x), x

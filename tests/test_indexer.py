@@ -22,8 +22,8 @@ from sparse_mla.indexer.reference import (
     indexer_k_quant_and_cache_reference,
     topk_indices_reference,
 )
+from sparse_mla.kvcache.reference import abs_indices_to_kvcache_indices
 from sparse_mla.reference import sparse_decode_reference
-from sparse_mla.serving.reference import abs_indices_to_kvcache_indices
 from sparse_mla.testing import abs_e4m3, abs_index_cache, indexer_logits_closeness, same_index_sets
 
 ON_GPU = torch.cuda.is_available()
@@ -1573,7 +1573,7 @@ def test_topk_repeated_calls_through_the_direct_launcher(n, monkeypatch):
     # the second and later calls of a shape go straight to the compiled kernels with the new
     # call's tensors (other logits, other output buffers): the same sets as the twin each time,
     # and the same as Triton's own launch path
-    from sparse_mla.decode import launcher
+    from sparse_mla.core import launcher
 
     g = torch.Generator().manual_seed(n)
     xs = [torch.randn(5, n, generator=g) for _ in range(3)]

@@ -169,7 +169,7 @@ def test_batch_permutation_is_bit_exact():
 
 
 def test_combine_blocks_validated():
-    from sparse_mla.decode.combine import combine_fwd
+    from sparse_mla.decode.kernels.combine import combine_fwd
 
     o_acc, l_acc = torch.zeros(3, 1, 16, 512, device=DEVICE), torch.zeros(3, 1, 16, device=DEVICE)
     out, lse = torch.zeros(2, 1, 16, 512, device=DEVICE), torch.zeros(2, 16, 1, device=DEVICE)
@@ -185,7 +185,7 @@ def test_combine_blocks_validated():
 # default tile, the small-batch tile, and the split tile (2 splits a step: several steps of its online merge)
 @pytest.mark.parametrize("blocks, steps", [(None, None), ((4, 64), None), ((4, 64), 2), (None, 4), ((4, 64), 32)])
 def test_combine_kernel_matches_reference(blocks, steps):
-    from sparse_mla.decode.combine import combine_fwd
+    from sparse_mla.decode.kernels.combine import combine_fwd
 
     g = torch.Generator().manual_seed(4)
     s_q, h_q, d_v = 2, 20, 512

@@ -18,8 +18,8 @@ from helpers import check_decode_close, make_problem
 import sparse_mla as flash_mla
 import sparse_mla.library as lib
 from sparse_mla import abs_indices_to_kvcache_indices, get_layout
+from sparse_mla.decode.op import bound_schedule_tensors
 from sparse_mla.reference import combine_reference, sparse_decode_reference
-from sparse_mla.serving.ops import bound_schedule_tensors
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1",
@@ -224,8 +224,8 @@ def test_forged_schedule_is_rejected_or_bounded(case):
     """Scheduler tensors the scheduler cannot have made: rejected on the host; on a device (no
     sync possible) the op bounds them, and the kernels then stay inside every buffer."""
     from sparse_mla.decode import resolve_backend, run_decode
-    from sparse_mla.problem import validate_sparse_decode
-    from sparse_mla.scheduler import ScheduleTable
+    from sparse_mla.decode.problem import validate_sparse_decode
+    from sparse_mla.decode.scheduler import ScheduleTable
 
     p = to_dev(make_problem(b=2, s_q=1, h_q=16, topk=200, seed=31))
     meta, _ = flash_mla.get_mla_metadata(num_sms=16)

@@ -262,7 +262,7 @@ ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 
 def test_auto_runs_the_kernel_where_triton_runs():
     from sparse_mla.prefill import validate_sparse_prefill
-    from sparse_mla.prefill.run import resolve_prefill_backend
+    from sparse_mla.prefill.backends import resolve_prefill_backend
 
     q, kv, idx, _ = make_case(1, 16, 8, seed=14)  # bf16 rows
     want = "hopper" if ON_HOPPER else ("portable" if KERNELS else "reference")
@@ -273,7 +273,7 @@ def test_auto_runs_the_kernel_where_triton_runs():
 @pytest.mark.parametrize("form", ["bf16", "fp8"])
 def test_hopper_backend_refuses_what_it_cannot_run(form):
     q, kv, idx, _ = make_case(2, 16, 8, form=form, seed=15)
-    with pytest.raises(ValueError, match="^backend: 'hopper' needs "):
+    with pytest.raises(ValueError, match="^backend: the 'hopper' backend cannot serve this call: it needs "):
         flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.1, backend="hopper")
 
 
@@ -284,7 +284,7 @@ def test_hopper_backend_refuses_what_it_cannot_run(form):
 def test_hopper_backend_on_both_kv_forms(form, d_qk, h_q):
     # fp8: the cache producer; bf16 rows: the KV_BF16 producer (cp.async into the K stages)
     from sparse_mla.prefill import validate_sparse_prefill
-    from sparse_mla.prefill.run import resolve_prefill_backend
+    from sparse_mla.prefill.backends import resolve_prefill_backend
 
     # 9 query tokens: the kernel rounds P to bf16 (as FlashMLA's do); at 37 tokens x 128 heads x 512
     # (2.4 M outputs) the tail of that rounding put 4 outputs at 1.1x FlashMLA's prefill tolerance
@@ -312,7 +312,7 @@ def test_hopper_bf16_rows_at_every_alignment(d_qk, pad, offset, align, h_q):
     # row views whose addresses are 16-, 8-, 4- or only 2-byte aligned: cp.async of 16, 8 or 4 bytes,
     # or (a 2-byte aligned base or row stride) the register fallback; all give the contiguous rows'
     # result bit for bit, and the NaN around each row is never read
-    from sparse_mla.decode.hopper import _rows_alignment
+    from sparse_mla.decode.kernels.hopper import _rows_alignment
 
     q, kv, idx, kw = make_case(5, h_q, 200, d_qk=d_qk, s_kv=700, seed=22, topk_length=[200, 0, 17, 64, 130], sink=True)
     big = torch.full((kv.shape[0], 1, d_qk + pad + offset), float("nan"), dtype=torch.bfloat16, device=DEVICE)
@@ -567,7 +567,7 @@ def test_bf16_kv_the_kernels_cannot_read_as_stored_is_refused():
 )
 def test_scales_are_checked_at_the_float32_edges(value, ok):
     # the kernels take sm_scale as float32: 2^-150 rounds to 0 and the maximum plus half an ulp to inf
-    from sparse_mla.problem import check_scale
+    from sparse_mla.core.checks import check_scale
 
     if ok:
         assert check_scale(value, "sm_scale") == value

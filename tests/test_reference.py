@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import make_problem, random_indices
 
+from sparse_mla.decode.scheduler import batch_num_blocks, schedule
 from sparse_mla.formats import MODEL1, dequantize_k_cache, get_layout
 from sparse_mla.reference import (
     LOG2E,
@@ -17,7 +18,6 @@ from sparse_mla.reference import (
     sparse_decode_reference,
     sparse_decode_split_reference,
 )
-from sparse_mla.scheduler import batch_num_blocks, schedule
 
 INF = float("inf")
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_mla.scheduler import (
+from sparse_mla.decode.scheduler import (
     FIXED_OVERHEAD_NUM_BLOCKS,
     META_FIELDS,
     batch_num_blocks,

@@ -23,9 +23,9 @@ from helpers import check_decode_close, make_problem
 
 import sparse_mla as flash_mla
 from sparse_mla.decode import BACKENDS
-from sparse_mla.decode import portable as portable_mod
+from sparse_mla.decode.kernels import portable as portable_mod
 from sparse_mla.decode.reference import LOG2E, gather_kv, sparse_decode_reference
-from sparse_mla.scheduler import compute_num_sm_parts
+from sparse_mla.decode.scheduler import compute_num_sm_parts
 from sparse_mla.testing import FLASHMLA_DECODE
 
 ON_GPU = torch.cuda.is_available()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sparse_mla as flash_mla
-from sparse_mla.serving.index_convert import abs_indices_to_kvcache_indices_triton
+from sparse_mla.kvcache.index_convert import abs_indices_to_kvcache_indices_triton
 
 
 def _shrunk(t: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,9 @@ from helpers import check_decode_close, make_problem
 import sparse_mla as flash_mla
 import sparse_mla.library as lib
 from sparse_mla.decode import workspace as ws_mod
-from sparse_mla.plan import decode_workspace_bytes
+from sparse_mla.decode.plan import decode_workspace_bytes
+from sparse_mla.decode.scheduler import MAX_ACC_ROWS_PER_PART, batch_num_blocks, compute_num_sm_parts, schedule
 from sparse_mla.reference import sparse_decode_reference
-from sparse_mla.scheduler import MAX_ACC_ROWS_PER_PART, batch_num_blocks, compute_num_sm_parts, schedule
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -159,7 +159,7 @@ def test_workspace_is_allocated_once_per_scheduler_object(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(ws_mod, "split_accumulators", counting)
-    import sparse_mla.plan as plan_mod
+    import sparse_mla.decode.plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "split_accumulators", counting)
     first = _call(p, meta)
@@ -223,7 +223,7 @@ def test_graph_keeps_its_own_workspace():
 
 @needs_kernels
 def test_repeated_calls_skip_validation_but_not_the_data(monkeypatch):
-    import sparse_mla.serving.ops as ops
+    import sparse_mla.decode.eager as ops
 
     p1 = make_problem(b=2, s_q=1, h_q=16, topk=128, seed=40, topk_length=[128, 60]).to(DEVICE)
     p2 = make_problem(b=2, s_q=1, h_q=16, topk=128, seed=41, topk_length=[128, 60]).to(DEVICE)
@@ -237,7 +237,7 @@ def test_repeated_calls_skip_validation_but_not_the_data(monkeypatch):
     fresh, _ = flash_mla.get_mla_metadata(num_sms=132)
     want = _call(p2, fresh)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert meta.call_cache[2].q is None  # the object keeps no tensor of the call alive
+    assert meta.call_cache.problem.q is None  # the object keeps no tensor of the call alive
     # anything else: the full checks run and name the argument
     with pytest.raises(TypeError, match="^q: expected dtype"):
         flash_mla.flash_mla_with_kvcache(
@@ -254,14 +254,14 @@ def test_repeated_calls_skip_validation_but_not_the_data(monkeypatch):
 
 @needs_gpu
 def test_direct_launch_matches_triton_launch(monkeypatch):
-    from sparse_mla.decode import launcher
+    from sparse_mla.core import launcher
 
     p = make_problem(b=3, s_q=2, h_q=64, topk=256, num_blocks=12, seed=42, attn_sink=[0.5]).to("cuda")
     meta, _ = flash_mla.get_mla_metadata()
     ref = [t.clone() for t in _call(p, meta)]
     n_keys = len(launcher._CACHE)
     assert n_keys >= 2  # the decode kernel and the combine are remembered
-    from sparse_mla.decode import combine, hopper, portable
+    from sparse_mla.decode.kernels import combine, hopper, portable
 
     decode_kernel = hopper._sparse_decode_gluon_kernel if meta.backend == "hopper" else portable._sparse_decode_kernel
     through_triton = []
@@ -302,7 +302,7 @@ def test_direct_launch_matches_triton_launch(monkeypatch):
 def test_launch_prepares_the_compiled_kernel_before_its_first_launch(direct, monkeypatch):
     # launcher.launch(prepare=...): a function attribute (the carveout hint) must be on the kernel
     # before its first launch, since a CUDA graph captured at the first call keeps what it saw
-    from sparse_mla.decode import launcher
+    from sparse_mla.core import launcher
 
     events = []
 
@@ -380,7 +380,7 @@ def test_repeated_calls_with_out_allocate_no_tensor(backend):
         pytest.skip("stubbed launches run on CPU tensors; on a GPU test_no_device_allocation_in_steady_state counts")
     if not KERNELS:
         pytest.skip("the launch wrappers need TRITON_INTERPRET=1")
-    from sparse_mla.decode.launch_stub import stub_compiled_launches
+    from benchmarks.launch_stub import stub_compiled_launches
 
     p = make_problem(b=4, s_q=2, h_q=64, topk=512, num_blocks=20, seed=37)
     out = torch.empty(4, 2, 64, 512, dtype=torch.bfloat16)

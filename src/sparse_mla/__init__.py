@@ -8,17 +8,18 @@ the indexer calls (``indexer_k_quant_and_cache``, ``fp8_mqa_logits``, ``fp8_page
 
 Importing the package registers the ``torch.ops.sparse_mla.*`` custom ops (for ``torch.compile``)
 and imports no Triton: the kernel modules load on first use, so ``TRITON_INTERPRET`` can still be
-set after ``import sparse_mla`` (before the first kernel call). The serving-path kernels
+set after ``import sparse_mla`` (before the first kernel call). The cache-writing kernels
 ``quantize_and_store_kv`` (fused FP8 cache write) and ``abs_indices_to_kvcache_indices_triton``
 (index conversion) are attributes that load their module on first access.
 
-Layout (docs/architecture.md): :mod:`.api` → :mod:`.problem` → :mod:`.plan` → :mod:`.decode`
-(dispatcher, kernels, twins); :mod:`.prefill` and :mod:`.indexer` (same stages); :mod:`.formats`
-(cache layouts); :mod:`.serving` (cache writes, index conversion, custom ops); :mod:`.tools` (CLI);
-:mod:`.testing` (tolerances and checks).
+Layout (docs/architecture.md): one package per operation, each with the same stages —
+``problem`` (validation) → ``backends`` (``backend=`` resolution) → ``kernels`` → ``reference``
+(the PyTorch twin) → ``op`` (``torch.library``): :mod:`.decode`, :mod:`.prefill`, :mod:`.indexer`,
+:mod:`.kvcache` (cache writes). Beneath them :mod:`.core` (environment, checks, backend protocol,
+launcher, FP8 and paging helpers) and :mod:`.formats` (cache layouts); above them :mod:`.api`
+(FlashMLA's entry points), :mod:`.distributed`, :mod:`.tools` (CLI) and :mod:`.testing`.
 """
 
-from . import serving as _serving  # noqa: F401  (registers torch.ops.sparse_mla.*)
 from .api import (
     FlashMLASchedMeta,
     decode_workspace_bytes,
@@ -26,6 +27,7 @@ from .api import (
     flash_mla_with_kvcache,
     get_mla_metadata,
 )
+from .decode import op as _decode_op  # noqa: F401  (registers torch.ops.sparse_mla.*)
 from .formats import MODEL1, V32, KVCacheLayout, dequantize_k_cache, get_layout, quantize_k_cache
 from .indexer import (
     dequantize_indexer_cache,
@@ -36,7 +38,9 @@ from .indexer import (
     topk_indices,
     topk_kvcache_indices,
 )
-from .serving.reference import abs_indices_to_kvcache_indices
+from .kvcache import op as _kvcache_op  # noqa: F401
+from .kvcache.reference import abs_indices_to_kvcache_indices
+from .prefill import op as _prefill_op  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -65,8 +69,8 @@ __all__ = [
 ]
 
 _LAZY = {
-    "quantize_and_store_kv": "sparse_mla.serving.store",
-    "abs_indices_to_kvcache_indices_triton": "sparse_mla.serving.index_convert",
+    "quantize_and_store_kv": "sparse_mla.kvcache.store",
+    "abs_indices_to_kvcache_indices_triton": "sparse_mla.kvcache.index_convert",
 }
 
 

@@ -7,7 +7,7 @@
         q, k_cache, None, None, head_dim_v=512, tile_scheduler_metadata=sched_meta,
         is_fp8_kvcache=True, indices=indices)
 
-The call flows API → :mod:`~sparse_mla.problem` (validated, frozen) → :mod:`~sparse_mla.plan`
+The call flows API → :mod:`~sparse_mla.decode.problem` (validated, frozen) → :mod:`~sparse_mla.decode.plan`
 (backend + schedule, kept in ``sched_meta``) → :mod:`~sparse_mla.decode` (kernel launch,
 combine) → ``(out, lse)``.
 """
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from .plan import FlashMLASchedMeta, check_sched_meta, decode_workspace_bytes, get_mla_metadata
+from .core.env import on_tensor_device
+from .decode.eager import decode
+from .decode.plan import FlashMLASchedMeta, check_sched_meta, decode_workspace_bytes, get_mla_metadata
+from .prefill.backends import run_prefill
 from .prefill.problem import check_prefill_scalars, validate_sparse_prefill
-from .prefill.run import run_prefill
-from .runtime import on_tensor_device
-from .serving.ops import decode
 
 __all__ = [
     "FlashMLASchedMeta",

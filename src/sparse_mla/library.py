@@ -1,20 +1,18 @@
-"""``torch.ops.sparse_mla.*`` custom ops and their Python entry points (kept under this name for
-callers of ``import sparse_mla.library``; the ops live in :mod:`sparse_mla.serving.ops` and are
-registered by ``import sparse_mla``)."""
+"""``torch.ops.sparse_mla.*`` custom ops and their Python entry points, in one namespace. Each op
+lives in its operation's ``op`` module (:mod:`sparse_mla.decode.op`, :mod:`sparse_mla.prefill.op`,
+:mod:`sparse_mla.kvcache.op`, :mod:`sparse_mla.indexer.op`); ``import sparse_mla`` registers them."""
 
-from .indexer.ops import INDEXER_OPS
-from .serving.ops import OPS as SERVING_OPS
-from .serving.ops import (
-    abs_indices_to_kvcache_indices,
-    combine,
-    quantize_and_store_kv,
-    schedule_tensors,
-    sparse_decode,
-    sparse_prefill,
-)
+from .decode.eager import sparse_decode
+from .decode.op import OPS as DECODE_OPS
+from .decode.op import combine, schedule_tensors
+from .indexer.op import INDEXER_OPS
+from .kvcache.op import OPS as KVCACHE_OPS
+from .kvcache.op import abs_indices_to_kvcache_indices, quantize_and_store_kv
+from .prefill.op import OPS as PREFILL_OPS
+from .prefill.op import sparse_prefill
 
 #: every registered operator name
-OPS = SERVING_OPS + INDEXER_OPS
+OPS = DECODE_OPS + KVCACHE_OPS + PREFILL_OPS + INDEXER_OPS
 
 __all__ = [
     "OPS",

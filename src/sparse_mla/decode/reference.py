@@ -24,7 +24,7 @@ import math
 import torch
 
 from ..formats import gather_dequant_tokens, layout_of_cache, num_cache_tokens
-from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable
+from .scheduler import TOPK_BLOCK_SIZE, ScheduleTable
 
 __all__ = [
     "gather_kv",

@@ -1,7 +1,7 @@
 """The split-KV workspace: the fp32 partial-result buffers the decode kernels write for split
 batches and the combine reads (no Triton here: the plan allocates them when it is made).
 
-Rows: the scheduler's ``acc_rows`` prefix (:class:`sparse_mla.scheduler.ScheduleTable`) gives
+Rows: the scheduler's ``acc_rows`` prefix (:class:`sparse_mla.decode.scheduler.ScheduleTable`) gives
 batch ``i`` rows ``acc_rows[i] .. acc_rows[i+1]-1`` when it is split, none otherwise.
 """
 

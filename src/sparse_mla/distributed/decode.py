@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..api import flash_mla_with_kvcache
-from ..plan import FlashMLASchedMeta, get_mla_metadata
-from ..problem import _check_vector
+from ..core.checks import check_vector
+from ..decode.plan import FlashMLASchedMeta, get_mla_metadata
 from .merge import merge_attention_states
 
 __all__ = ["sparse_decode_context_parallel", "localize_indices"]
@@ -93,8 +93,8 @@ def _local_part(
         raise TypeError("indices: expected an int32 tensor [b, s_q, topk] of global slots")
     # checked as the decode checks them (the local decode gets neither: the lengths cut the global
     # indices, the sink is applied after the merge)
-    topk_length = _check_vector(topk_length, "topk_length", torch.int32, indices.shape[0], "b", q.device)
-    attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, q.shape[2], "h_q", q.device)
+    topk_length = check_vector(topk_length, "topk_length", torch.int32, indices.shape[0], "b", q.device)
+    attn_sink = check_vector(attn_sink, "attn_sink", torch.float32, q.shape[2], "h_q", q.device)
     local = localize_indices(indices, lo, hi, topk_length)
     meta = meta if meta is not None else get_mla_metadata()[0]
     out, lse = flash_mla_with_kvcache(

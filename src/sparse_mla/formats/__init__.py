@@ -1,4 +1,7 @@
-"""Cache formats: the FP8 layouts (V32, MODEL1) and their quantisation (pure PyTorch)."""
+"""Cache formats: the FP8 layouts (V32, MODEL1), their checks and their quantisation (pure PyTorch).
+
+:mod:`.gather` holds the Triton helpers that load and dequantise a block of cache records inside a
+kernel; it imports Triton, so only kernel modules import it."""
 
 from .layouts import (
     MODEL1,
@@ -6,6 +9,7 @@ from .layouts import (
     KVCacheLayout,
     LayoutLike,
     cache_bytes,
+    check_cache,
     check_cache_alignment,
     check_quantized_cache,
     get_layout,
@@ -23,6 +27,7 @@ __all__ = [
     "layout_of_cache",
     "cache_bytes",
     "check_quantized_cache",
+    "check_cache",
     "check_cache_alignment",
     "num_cache_tokens",
     "quantize_k_cache",

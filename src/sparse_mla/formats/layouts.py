@@ -23,12 +23,14 @@ value is ``x / scale`` rounded to e4m3, so dequantisation (``fp8 * scale``) is e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..runtime import check_plain_storage
+from ..core.checks import check_plain_storage
 
 __all__ = [
+    "check_cache",
     "KVCacheLayout",
     "V32",
     "MODEL1",
@@ -222,3 +224,20 @@ def check_cache_alignment(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_c
 def num_cache_tokens(k_cache: torch.Tensor) -> int:
     """Number of addressable token slots (``num_blocks * page_block_size``)."""
     return int(k_cache.shape[0]) * int(k_cache.shape[1])
+
+
+def check_cache(kc: Any, name: str, lay: KVCacheLayout, dev: torch.device) -> None:
+    """``kc`` is an FP8 paged cache of layout ``lay`` on ``dev`` (the device of ``q``): ``[num_blocks >= 1,
+    page_block_size >= 1, 1, bytes_per_token]`` with a block stride the kernels can address
+    (:func:`check_quantized_cache`, :func:`check_cache_alignment`), else ``TypeError``/``ValueError``
+    naming ``name``."""
+    if not isinstance(kc, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(kc).__name__}")
+    if kc.device != dev:
+        raise ValueError(f"{name}: expected a tensor on {dev} (where q is), got {kc.device}")
+    if kc.dim() == 4 and kc.shape[2] != 1:
+        raise ValueError(f"{name}: h_kv (dim 2) must be 1 for MLA, got {kc.shape[2]}")
+    check_quantized_cache(kc, lay, name)
+    check_cache_alignment(kc, lay, name)
+    if kc.shape[0] < 1 or kc.shape[1] < 1:
+        raise ValueError(f"{name}: needs at least one block of at least one token, got {list(kc.shape)}")

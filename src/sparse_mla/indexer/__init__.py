@@ -5,7 +5,7 @@ into the decode's cache indices (:mod:`.topk`). Every kernel has its PyTorch twi
 :mod:`.reference`. Importing this package imports no Triton.
 """
 
-from . import ops as _ops  # noqa: F401  (registers torch.ops.sparse_mla.* of the indexer)
+from . import op as _op  # noqa: F401  (registers torch.ops.sparse_mla.* of the indexer)
 from .cache import dequantize_indexer_cache, indexer_k_quant_and_cache
 from .logits import fp8_mqa_logits, fp8_paged_mqa_logits, get_paged_mqa_logits_metadata
 from .topk import topk_indices, topk_kvcache_indices

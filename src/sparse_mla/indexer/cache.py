@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from ..runtime import on_tensor_device, use_triton
-from .checks import check_index_cache, check_tensor_arg
+from ..core.env import on_tensor_device
+from .backends import runs_kernels
+from .problem import check_index_cache, check_tensor_arg
 from .reference import dequantize_indexer_cache as _dequantize
 from .reference import indexer_k_quant_and_cache_reference
 
@@ -75,7 +76,7 @@ def indexer_k_quant_and_cache(
     n = k.shape[0]
     if n == 0:
         return
-    if not use_triton(kv_cache.device):
+    if not runs_kernels(kv_cache.device):
         indexer_k_quant_and_cache_reference(k, kv_cache, slot_mapping, scale_fmt)
         return
     from .kernels import launch_quant_store

@@ -10,21 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..decode.launcher import launch as launch_kernel
-from ..decode.portable import e4m3_decode_exact
-from ..runtime import (
-    cdiv,
-    check_apart,
-    check_no_self_overlap,
-    cuda_num_sms,
-    interpreting,
-    next_pow2,
-    pdl_enabled,
-    require_runnable,
-)
-from ..serving.index_convert import table_slots
-from ..serving.store import _e4m3_rtne_bits, ceil_log2_div448, slot_records
-from .checks import check_tensor_arg, index_cache_geometry
+from ..core.checks import check_apart, check_no_self_overlap
+from ..core.env import cdiv, cuda_num_sms, interpreting, next_pow2, pdl_enabled, require_runnable
+from ..core.fp8 import ceil_log2_div448, e4m3_decode_exact, e4m3_rtne_bits
+from ..core.launcher import launch as launch_kernel
+from ..core.paging import slot_records, table_slots
+from .problem import check_tensor_arg, index_cache_geometry
 
 __all__ = ["launch_quant_store", "launch_mqa_logits", "launch_paged_mqa_logits", "launch_topk"]
 
@@ -57,7 +48,7 @@ def _index_quant_store_kernel(
         scale = tl.math.div_rn(amax, 448.0)
         y = tl.math.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    q8 = _e4m3_rtne_bits(y)
+    q8 = e4m3_rtne_bits(y)
     # a key with a NaN or inf value is stored as NaN (bytes 0x7F, scale NaN), as the twin does
     bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1) > 0
     q8 = tl.where(bad[:, None], 0x7F, q8).to(tl.uint8)
@@ -70,7 +61,7 @@ def _index_quant_store_kernel(
 def launch_quant_store(
     k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, d: int, ue8m0: bool
 ) -> None:
-    require_runnable(_index_quant_store_kernel, kv_cache.device, _e4m3_rtne_bits, ceil_log2_div448, slot_records)
+    require_runnable(_index_quant_store_kernel, kv_cache.device, e4m3_rtne_bits, ceil_log2_div448, slot_records)
     nb, bs, _, stride_blk = index_cache_geometry(kv_cache)
     n = k.shape[0]
     block_t = 16
@@ -1519,7 +1510,7 @@ def launch_topk(
     rank order (``ordered``; else in no set order) and ``-1`` after them, in columns
     ``< next_power_of_2(kk)`` (``kk = min(k, n)``; the caller fills any column past that). With ``table`` (``[b, max_blocks]`` int32/int64, entries
     contiguous, ``b = rows / next_n``) the positions become cache slots as
-    :func:`sparse_mla.serving.reference.abs_indices_to_kvcache_indices` maps them. ``_checked``: the
+    :func:`sparse_mla.kvcache.reference.abs_indices_to_kvcache_indices` maps them. ``_checked``: the
     caller (:func:`sparse_mla.indexer.topk._topk`) has checked the tensors and made ``out`` and ``kk``
     itself, so they are not checked again (~12 µs of host time a call)."""
     cfg = _topk_config(config)

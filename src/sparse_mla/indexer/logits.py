@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ..runtime import on_tensor_device, use_triton
-from .checks import HEAD_DIMS, INT32_MAX, check_index_cache, check_tensor_arg, type_name
+from ..core.env import on_tensor_device
+from .backends import runs_kernels
+from .problem import HEAD_DIMS, INT32_MAX, check_index_cache, check_tensor_arg, type_name
 from .reference import fp8_mqa_logits_reference, fp8_paged_mqa_logits_reference
 
 __all__ = ["fp8_mqa_logits", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "MAX_HEADS"]
@@ -107,7 +108,7 @@ def fp8_mqa_logits(
     ke = _check_int_vector(cu_seqlen_ke, "cu_seqlen_ke", s_q, "s_q", dev)
     if s_q == 0 or s_kv == 0:
         return torch.full((s_q, s_kv), float("-inf"), dtype=torch.float32, device=dev)
-    if not use_triton(dev):
+    if not runs_kernels(dev):
         return fp8_mqa_logits_reference(q, keys, key_scales, weights, ks, ke)
     from .kernels import launch_mqa_logits
 
@@ -203,7 +204,7 @@ def fp8_paged_mqa_logits(
         )
     if b == 0 or max_context_len == 0:
         return torch.full((b * next_n, max_context_len), float("-inf"), dtype=torch.float32, device=dev)
-    if not use_triton(dev):
+    if not runs_kernels(dev):
         return fp8_paged_mqa_logits_reference(q, kv_cache, weights, ctx, block_table, max_context_len)
     from .kernels import launch_paged_mqa_logits
 

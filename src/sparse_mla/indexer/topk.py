@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-from ..runtime import next_pow2, on_tensor_device, use_triton
-from ..serving.checks import check_block_table
-from ..serving.reference import abs_indices_to_kvcache_indices
-from .checks import INT32_MAX, check_tensor_arg, type_name
+from ..core.checks import check_block_table
+from ..core.env import next_pow2, on_tensor_device
+from ..kvcache.reference import abs_indices_to_kvcache_indices
+from .backends import runs_kernels
+from .problem import INT32_MAX, check_tensor_arg, type_name
 
 __all__ = ["topk_indices", "topk_kvcache_indices", "rank_keys"]
 
@@ -117,7 +118,7 @@ def _topk(
     lo = _check_range(row_starts, "row_starts", rows, dev)
     hi = _check_range(row_ends, "row_ends", rows, dev)
     kk = min(k, n)
-    if rows and kk and use_triton(dev):  # select, sort, positions (or slots); the kernels clamp lo, hi
+    if rows and kk and runs_kernels(dev):  # select, sort, positions (or slots); the kernels clamp lo, hi
         from .kernels import launch_topk
 
         x = logits if logits.stride(1) == 1 else logits.contiguous()

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from ..formats import KVCacheLayout, get_layout
-from ..problem import MAX_H_Q, _check_cache, _check_vector, check_scale, check_tensor
-from ..runtime import check_plain_storage
+from ..core.checks import check_plain_storage, check_scale, check_tensor, check_vector
+from ..decode.problem import MAX_H_Q
+from ..formats import KVCacheLayout, check_cache, get_layout
 
 __all__ = ["PrefillProblem", "validate_sparse_prefill", "check_prefill_scalars", "FP8_CACHE_DTYPES"]
 
@@ -45,6 +45,11 @@ class PrefillProblem:
     topk_length: torch.Tensor | None
     kv_fp8: bool
     layout: KVCacheLayout
+
+    @property
+    def device(self) -> torch.device:
+        """The device the call runs on (where ``q`` is)."""
+        return self.q.device
 
     @property
     def s_q(self) -> int:
@@ -85,7 +90,7 @@ def _check_kv(kv: Any, lay: KVCacheLayout, dev: torch.device) -> bool:
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
     if kv.dtype in FP8_CACHE_DTYPES:
-        _check_cache(kv, "kv", lay, dev)
+        check_cache(kv, "kv", lay, dev)
         return True
     if kv.dtype != torch.bfloat16:
         raise TypeError(
@@ -140,6 +145,6 @@ def validate_sparse_prefill(
     if indices.shape[2] < 1:
         raise ValueError(f"indices: topk must be >= 1, got {indices.shape[2]}")
     scale = check_prefill_scalars(sm_scale, d_v)
-    attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
-    topk_length = _check_vector(topk_length, "topk_length", torch.int32, s_q, "s_q", dev)
+    attn_sink = check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
+    topk_length = check_vector(topk_length, "topk_length", torch.int32, s_q, "s_q", dev)
     return PrefillProblem(q, kv, indices, scale, int(d_v), attn_sink, topk_length, kv_fp8, lay)

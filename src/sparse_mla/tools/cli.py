@@ -243,8 +243,14 @@ def _section_token(console: Console, seed: int) -> None:
 def _section_schedule(console: Console) -> Any:
     from rich.table import Table
 
-    from ..scheduler import FIXED_OVERHEAD_NUM_BLOCKS, META_FIELDS, batch_num_blocks, compute_num_sm_parts, schedule
-    from ..scheduler import small_head_tile as heads_per_cta
+    from ..decode.scheduler import (
+        FIXED_OVERHEAD_NUM_BLOCKS,
+        META_FIELDS,
+        batch_num_blocks,
+        compute_num_sm_parts,
+        schedule,
+    )
+    from ..decode.scheduler import small_head_tile as heads_per_cta
 
     b, s_q, h_q, topk = SEED_B, SEED_S_Q, SEED_H_Q, SEED_TOPK
     console.rule(

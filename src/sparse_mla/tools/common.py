@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 __all__ = ["KERNEL_MODULE", "describe_import_error", "kernel_import_error", "triton_version", "quiet_interpreter"]
 
 #: the module whose import tells whether the decode kernels can run
-KERNEL_MODULE = "sparse_mla.decode.portable"
+KERNEL_MODULE = "sparse_mla.decode.kernels.portable"
 
 
 def describe_import_error(e: ImportError) -> str:

@@ -6,7 +6,7 @@ shuffled free list as contexts grow). Every step does what an engine does per de
 1. the new token of every request gets a latent vector ``kv [B, d_qk]`` (random bf16 here, each
    64-value tile with its own magnitude in 10^-2..10^0) and a query ``q [B, 1, h_q, d_qk]``;
 2. its cache slot is the cache index of position ``ctx[i]`` (the index-conversion kernel on the
-   block table), and :func:`~sparse_mla.serving.store.quantize_and_store_kv` writes it; ``ctx += 1``;
+   block table), and :func:`~sparse_mla.kvcache.store.quantize_and_store_kv` writes it; ``ctx += 1``;
 3. the "indexer" picks ``topk`` distinct positions of each request's valid context ``[0, ctx)``:
    ``pos_j = (a * j + c) mod ctx`` for ``j < min(topk, ctx)`` with a random prime ``a > max_context``
    (coprime to every length, so the positions are distinct) and a random offset ``c``; slots
@@ -52,8 +52,8 @@ from typing import Any
 
 import torch
 
+from ..decode.plan import MAX_NUM_SMS, get_mla_metadata
 from ..formats import get_layout, quantize_k_cache
-from ..plan import MAX_NUM_SMS, get_mla_metadata
 
 __all__ = [
     "ServeSimConfig",
@@ -355,7 +355,7 @@ class ServeSim:
 
     def prefill(self, chunk_tokens: int = 65536) -> None:
         """Allocate the cache and write every request's initial context (random tokens)."""
-        from ..serving.store import quantize_and_store_kv
+        from ..kvcache.store import quantize_and_store_kv
 
         dev, pbs = self.device, self.pbs
         self.k_cache = self._alloc_cache()
@@ -390,8 +390,8 @@ class ServeSim:
     def _prefill_indexer(self, all_slots: torch.Tensor, chunk_tokens: int) -> None:
         """The indexer's key cache (DeepGEMM's paged layout, same pages as the attention cache)
         with every initial token's key, and the step's indexer buffers."""
+        from ..core.env import cuda_num_sms
         from ..indexer import get_paged_mqa_logits_metadata, indexer_k_quant_and_cache
-        from ..runtime import cuda_num_sms
 
         cfg, dev, B = self.cfg, self.device, self.B
         D, H = cfg.index_dim, cfg.index_heads
@@ -435,8 +435,8 @@ class ServeSim:
 
     def _step_body(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 1-4 of the module docstring on device tensors only (capturable)."""
-        from ..serving.index_convert import abs_indices_to_kvcache_indices_triton
-        from ..serving.store import quantize_and_store_kv
+        from ..kvcache.index_convert import abs_indices_to_kvcache_indices_triton
+        from ..kvcache.store import quantize_and_store_kv
 
         B, dev, gen = self.B, self.device, self._gen
         # 1. new tokens and queries
@@ -625,7 +625,7 @@ class ServeSim:
         logits through the block table."""
         from ..indexer.kernels import fp8_dot_supported
         from ..indexer.reference import fp8_paged_mqa_logits_reference, topk_indices_reference
-        from ..serving.reference import abs_indices_to_kvcache_indices
+        from ..kvcache.reference import abs_indices_to_kvcache_indices
         from ..testing import abs_e4m3, abs_index_cache, indexer_logits_closeness, same_index_sets
 
         args = (self.ctx, self.block_table, self.cfg.max_context)
@@ -751,9 +751,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 #: the modules a simulation step imports (each needs Triton; on the CPU Triton's interpreter needs NumPy)
 KERNEL_MODULES = (
-    "sparse_mla.decode.portable",
-    "sparse_mla.serving.store",
-    "sparse_mla.serving.index_convert",
+    "sparse_mla.decode.kernels.portable",
+    "sparse_mla.kvcache.store",
+    "sparse_mla.kvcache.index_convert",
     "sparse_mla.indexer.kernels",
 )
 

@@ -18,35 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import (
-    cdiv,
-    check_no_self_overlap,
-    check_plain_storage,
-    next_pow2,
-    on_tensor_device,
-    require_runnable,
-    use_triton,
-)
-from .checks import check_abs_index_args
+from ..core.checks import check_no_self_overlap, check_plain_storage
+from ..core.env import cdiv, next_pow2, on_tensor_device, require_runnable
+from ..core.paging import table_slots
+from .backends import runs_kernels
+from .problem import check_abs_index_args
 
-__all__ = ["abs_indices_to_kvcache_indices_triton", "table_slots"]
-
-
-@triton.jit
-def table_slots(t, bt_row, stride_col, n_log, pbs, mask):
-    """Cache slots ``bt_row[t // pbs] * pbs + t % pbs`` (int64) of logical positions ``t`` (int64)
-    through one block-table row of ``n_log`` entries (``stride_col`` apart); ``-1`` where ``t`` is
-    negative or masked off (``mask``), its block lies past the row, the entry is negative (an
-    unallocated block) or the slot is past int32. The int32 bound is tested before the product,
-    which an int64 entry near 2^63 would wrap into a valid-looking slot. Shared by this module's
-    kernel and the indexer's top-k (:func:`sparse_mla.indexer.topk.topk_kvcache_indices`)."""
-    nonneg = t >= 0
-    lb = tl.where(nonneg, t, 0) // pbs
-    ok = nonneg & (lb < n_log)
-    phys = tl.load(bt_row + lb * stride_col, mask=mask & ok, other=-1).to(tl.int64)
-    off = t - lb * pbs
-    ok = ok & (phys >= 0) & (phys <= (2147483647 - off) // pbs)
-    return tl.where(ok, phys * pbs + off, -1)
+__all__ = ["abs_indices_to_kvcache_indices_triton"]
 
 
 @triton.jit
@@ -120,7 +98,7 @@ def abs_indices_to_kvcache_indices_triton(
     if out.numel() == 0:
         return out
     dev = abs_indices.device
-    if not use_triton(dev):
+    if not runs_kernels(dev):
         from .reference import abs_indices_to_kvcache_indices
 
         out.copy_(abs_indices_to_kvcache_indices(abs_indices, block_table, page_block_size))

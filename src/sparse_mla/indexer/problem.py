@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..problem import check_tensor
+from ..core.checks import check_tensor
 
 __all__ = ["HEAD_DIMS", "check_index_cache", "check_tensor_arg", "index_cache_geometry", "type_name"]
 
@@ -26,7 +26,7 @@ def type_name(x: Any) -> str:
 
 
 def check_tensor_arg(x: Any, name: str, dtypes: tuple, dim: int, device: torch.device | None = None) -> torch.Tensor:
-    """:func:`sparse_mla.problem.check_tensor` for the indexer's calls (the device is the first
+    """:func:`sparse_mla.decode.problem.check_tensor` for the indexer's calls (the device is the first
     tensor's; that one, ``device`` None, must be a CPU or CUDA tensor)."""
     check_tensor(x, name, dtypes, dim, device, device_of="the first tensor argument")
     if device is None and x.device.type not in ("cpu", "cuda"):

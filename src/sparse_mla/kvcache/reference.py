@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import cache_bytes, layout_of_cache, quantize_k_cache
-from .checks import check_abs_index_args
+from .problem import check_abs_index_args
 
 __all__ = ["quantize_and_store_kv_reference", "abs_indices_to_kvcache_indices"]
 
@@ -17,7 +17,7 @@ _INT32_MAX = 2**31 - 1
 
 
 def quantize_and_store_kv_reference(kv: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
-    """PyTorch twin of :func:`sparse_mla.serving.store.quantize_and_store_kv`: write ``kv`` in place.
+    """PyTorch twin of :func:`sparse_mla.kvcache.store.quantize_and_store_kv`: write ``kv`` in place.
 
     Each token is quantised with :func:`sparse_mla.kvcache.quantize_k_cache` and its bytes are
     scattered into ``k_cache`` (through its strides): V32 the 656-byte record at

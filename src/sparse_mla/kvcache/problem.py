@@ -3,10 +3,9 @@ the custom ops (pure PyTorch: importing this module imports no Triton)."""
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from ..core.checks import check_block_table, check_plain_storage
 from ..formats import (
     KVCacheLayout,
     LayoutLike,
@@ -15,7 +14,6 @@ from ..formats import (
     get_layout,
     layout_of_cache,
 )
-from ..runtime import check_plain_storage
 
 __all__ = ["check_store_args", "check_abs_index_args"]
 
@@ -82,25 +80,3 @@ def check_abs_index_args(abs_indices: torch.Tensor, block_table: torch.Tensor, p
         raise ValueError(f"abs_indices: expected shape [b, s_q, topk], got {list(abs_indices.shape)}")
     check_plain_storage(abs_indices, "abs_indices")
     check_block_table(block_table, abs_indices.shape[0], abs_indices.device, page_block_size)
-
-
-def check_block_table(
-    block_table: torch.Tensor, b: int, device: torch.device, page_block_size: int, device_of: str = "the indices"
-) -> None:
-    """``block_table`` an int32/int64 ``[b, max_blocks_per_seq]`` tensor on ``device`` (the device of
-    the argument ``device_of`` names, for the error message), and ``page_block_size`` an int in
-    ``[1, 2^31 - 1]``."""
-    if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64):
-        got = block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table).__name__
-        raise TypeError(f"block_table: expected an int32 or int64 tensor [b, max_blocks_per_seq], got {got}")
-    if (
-        isinstance(page_block_size, bool)
-        or not isinstance(page_block_size, numbers.Integral)
-        or not 0 < page_block_size < 2**31
-    ):
-        raise ValueError(f"page_block_size: expected an int in [1, 2^31 - 1], got {page_block_size!r}")
-    if block_table.dim() != 2 or block_table.shape[0] != b:
-        raise ValueError(f"block_table: expected shape [b={b}, max_blocks_per_seq], got {list(block_table.shape)}")
-    if block_table.device != device:
-        raise ValueError(f"block_table: must be on the same device as {device_of} ({device})")
-    check_plain_storage(block_table, "block_table")  # the kernels read its raw bits, inside its storage

@@ -2,7 +2,7 @@
 backend (V32 and MODEL1 caches, the extra cache, any h_q in 64-head tiles). Twin:
 :func:`sparse_mla.decode.reference.sparse_decode_split_reference`.
 
-Same launch contract as :func:`sparse_mla.decode.portable.launch` (same scheduler partition walk,
+Same launch contract as :func:`sparse_mla.decode.kernels.portable.launch` (same scheduler partition walk,
 same outputs: final bf16 ``out`` + natural-log ``lse`` for unsplit batches, fp32 partial O
 normalised by its own sum + log2-space LSE rows ``acc_rows[req] + split`` for split batches,
 merged by :mod:`.combine`).
@@ -24,7 +24,7 @@ Structure of one CTA (one scheduler partition x one query token x 64 heads), Fla
   is also V (``d_v = d_qk = 512``), no RoPE tile. With an extra cache (``HAS_EXTRA``) a request's
   walk continues past its main-cache blocks into the extra cache's, each block gathering from the
   cache (pointer, strides, page size, indices, length) it belongs to. ``KV_BF16`` (the sparse
-  prefill on bf16 rows ``[s_kv, 1, d_qk]``, :mod:`sparse_mla.prefill.hopper`): each block's rows
+  prefill on bf16 rows ``[s_kv, 1, d_qk]``, :mod:`sparse_mla.prefill.kernels.hopper`): each block's rows
   are copied into the stage with ``cp.async`` (:func:`_copy_block`; no conversion, no registers
   for the tile) and ``ready[stage]`` completes through the copies' mbarrier arrivals.
 * **consumers split by role** (64-head tiles; FlashMLA's organisation): warpgroup 0
@@ -51,7 +51,7 @@ the time goes (producer alone, consumer alone, ncu stall samples) is in docs/per
 with the profiling modes of :class:`HopperConfig` (set only by the profiling tools).
 
 **Narrow tiles** (h_q <= 32: tensor-parallel slices; ``HEADS`` = 16 or 32 heads per CTA,
-:func:`sparse_mla.scheduler.hopper_head_tile`): the consumer is one warpgroup
+:func:`sparse_mla.decode.scheduler.hopper_head_tile`): the consumer is one warpgroup
 (:func:`_consumer_narrow`) that puts the block's 64 tokens on the wgmma's M and the heads on its N,
 ``Sᵀ = K Qᵀ [64, HEADS]`` (K from the stage, Qᵀ a permuted view of the staged Q) and
 ``Oᵀ += Vᵀ Pᵀ [512, HEADS]`` (Vᵀ a permuted view of the stage, Pᵀ staged in smem), with the
@@ -83,14 +83,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
 )
 
-from ..formats import cache_bytes
+from ...core.env import LOG2E
+from ...core.launcher import carveout_hint
+from ...core.launcher import launch as launch_kernel
+from ...formats import cache_bytes
 from ..problem import DecodeProblem, output_tensors
-from ..runtime import LOG2E
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, hopper_head_tile
+from ..workspace import split_accumulators
 from .combine import combine_fwd
-from .launcher import carveout_hint
-from .launcher import launch as launch_kernel
-from .workspace import split_accumulators
 
 __all__ = [
     "HopperConfig",
@@ -1494,7 +1494,7 @@ def launch(
     Args:
         p: a validated, non-empty problem on an sm_90 device (the dispatcher checks, :mod:`.backends`);
             its ``k_cache`` may also be bf16 rows ``[s_kv, 1, d_qk]`` (the sparse prefill's ``kv``,
-            :mod:`sparse_mla.prefill.hopper`; no extra cache), indexed by row.
+            :mod:`sparse_mla.prefill.kernels.hopper`; no extra cache), indexed by row.
         table: its schedule on ``p.q``'s device, sized for 64-head tiles.
         config: launch parameters (default :class:`HopperConfig`).
         workspace: ``(o_accum, lse_accum)`` of at least ``table.num_acc_rows`` rows
@@ -1502,7 +1502,7 @@ def launch(
         max_logits: ``[b, h_q]`` fp32 (any strides) to also receive each row's largest
             ``q·k·sm_scale`` (-inf for a row with no valid key), or None. Only for ``s_q = 1``
             and a schedule of one whole request a partition (the sparse prefill's,
-            :func:`sparse_mla.prefill.hopper.prefill_table`): the consumers then store O through
+            :func:`sparse_mla.prefill.kernels.hopper.prefill_table`): the consumers then store O through
             the request's staged Q tile, which a second request in the partition would overwrite.
 
     Returns:

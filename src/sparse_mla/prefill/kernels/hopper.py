@@ -1,5 +1,5 @@
 """The sparse prefill on Hopper, from either ``kv`` form: the decode's warp-specialised Gluon
-kernel (:mod:`sparse_mla.decode.hopper`) run with every query token as its own request.
+kernel (:mod:`sparse_mla.decode.kernels.hopper`) run with every query token as its own request.
 
 A prefill call ``q [s_q, h_q, d_qk]``, ``indices [s_q, 1, topk]`` (cache slots, or rows of bf16
 ``kv``) is a decode call with ``b = s_q`` requests of one query token each (``q.unsqueeze(1)``;
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from ..decode.hopper import launch as decode_launch
-from ..problem import DecodeProblem
-from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable
-from .problem import PrefillProblem
+from ...decode.kernels.hopper import launch as decode_launch
+from ...decode.problem import DecodeProblem
+from ...decode.scheduler import TOPK_BLOCK_SIZE, ScheduleTable
+from ..problem import PrefillProblem
 
 __all__ = ["launch", "prefill_table"]
 

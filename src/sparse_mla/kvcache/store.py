@@ -4,7 +4,7 @@ Every decode (or prefill) step an inference engine appends the new tokens' laten
 ``kv [n, d_qk]`` (bf16) to the paged cache at ``slot_mapping [n]`` (``block * page_block_size +
 offset``; ``-1`` = skip, e.g. padding tokens). This kernel quantises and writes them in place,
 byte-identical to :func:`sparse_mla.quantize_k_cache` on the same values
-(PyTorch twin: :func:`sparse_mla.serving.reference.quantize_and_store_kv_reference`).
+(PyTorch twin: :func:`sparse_mla.kvcache.reference.quantize_and_store_kv_reference`).
 
 One program handles ``BLOCK_T`` tokens. Per token and tile of ``TILE`` NoPE values (V32: 4 x 128,
 MODEL1: 7 x 64):
@@ -41,58 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core.env import cdiv, next_pow2, on_tensor_device, require_runnable
+from ..core.fp8 import ceil_log2_div448, e4m3_rtne_bits
+from ..core.paging import slot_records
 from ..formats import KVCacheLayout, LayoutLike, cache_bytes
-from ..runtime import cdiv, next_pow2, on_tensor_device, require_runnable, use_triton
-from .checks import check_store_args
+from .backends import runs_kernels
+from .problem import check_store_args
 
 __all__ = ["quantize_and_store_kv", "launch"]
-
-
-@triton.jit
-def slot_records(slot_ptr, stride_slot, n, num_slots, pbs, stride_blk, BLOCK_T: tl.constexpr):
-    """This program's ``BLOCK_T`` tokens of a paged-cache write: ``(toks, valid, off, base)`` with
-    ``valid`` false past ``n`` and for a slot outside ``[0, num_slots)`` (-1 included; such a
-    token is never written), ``off`` its row in the page block and ``base`` the block's byte offset
-    (``block * stride_blk``, int64); slot 0's for invalid tokens."""
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_n = toks < n
-    slot = tl.load(slot_ptr + toks.to(tl.int64) * stride_slot, mask=in_n, other=-1).to(tl.int64)
-    valid = in_n & (slot >= 0) & (slot < num_slots)
-    safe = tl.where(valid, slot, 0)
-    blk = safe // pbs
-    return toks, valid, safe - blk * pbs, blk * stride_blk
-
-
-@triton.jit
-def _e4m3_rtne_bits(y):
-    """float32 ``y`` with ``|y| <= 448`` -> int32 e4m3fn byte (0..255), round-to-nearest-even."""
-    u = y.to(tl.int32, bitcast=True)
-    sign = (u >> 24) & 0x80
-    a = u & 0x7FFFFFFF
-    e = a >> 23
-    # normal e4m3 (|y| >= 2^-6, fp32 exponent field >= 121): keep 3 mantissa bits, rebias 127 -> 7
-    nrm = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
-    # subnormal e4m3: |y| = sig * 2^(e - 150), byte = round_half_even(sig * 2^(e - 141))
-    sig = (a & 0x7FFFFF) | 0x800000
-    sh = tl.minimum(141 - e, 31)
-    sh = tl.maximum(sh, 1)  # (only matters for lanes that take the normal branch)
-    qq = sig >> sh
-    rem = sig - (qq << sh)
-    half = 1 << (sh - 1)
-    up = (rem > half) | ((rem == half) & ((qq & 1) == 1))
-    sub = qq + up.to(tl.int32)
-    sub = tl.where(e == 0, 0, sub)  # fp32 zero / subnormal: far below e4m3's 2^-9
-    mag = tl.where(e >= 121, nrm, sub)
-    return sign | mag
-
-
-@triton.jit
-def ceil_log2_div448(amax):
-    """``ceil(log2(amax / 448))`` (int32) of positive normal float32 ``amax``, exactly, from its bits:
-    ``amax = 1.m * 2^e`` gives ``amax / 448 = (1.m / 1.75) * 2^(e - 8)``, so the exponent is ``e - 8``,
-    plus one when ``1.m > 1.75`` (mantissa field above ``0x600000``)."""
-    bits = amax.to(tl.int32, bitcast=True)
-    return ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
 
 
 @triton.jit
@@ -139,7 +95,7 @@ def _quantize_store_kernel(
     inv_scale = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k, exact
     y = x * inv_scale[:, :, None]
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    q8 = tl.where(finite, _e4m3_rtne_bits(y), 0x7F).to(tl.uint8)
+    q8 = tl.where(finite, e4m3_rtne_bits(y), 0x7F).to(tl.uint8)
     tl.store(cache_ptr + tok[:, None, None] + d[None, :, :], q8, mask=m3)
 
     if IS_V32:
@@ -173,7 +129,7 @@ def quantize_and_store_kv(
     The bytes written for a token are exactly those :func:`sparse_mla.quantize_k_cache`
     gives for the same bf16 values; bytes of other slots (and MODEL1 block padding) are untouched.
     Runs the Triton kernel on CUDA and under ``TRITON_INTERPRET=1``, else the PyTorch twin
-    :func:`sparse_mla.serving.reference.quantize_and_store_kv_reference`. No host synchronisation on CUDA
+    :func:`sparse_mla.kvcache.reference.quantize_and_store_kv_reference`. No host synchronisation on CUDA
     (CUDA-graph safe).
 
     Args:
@@ -204,7 +160,7 @@ def quantize_and_store_kv(
         raise ValueError(f"block_t: expected a power of two in [1, 64], got {block_t!r}")
     if n == 0 or k_cache.numel() == 0:
         return
-    if not use_triton(k_cache.device):
+    if not runs_kernels(k_cache.device):
         from .reference import quantize_and_store_kv_reference
 
         quantize_and_store_kv_reference(kv, slot_mapping, k_cache)

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .formats import KVCacheLayout, check_cache_alignment, check_quantized_cache, get_layout
-from .runtime import byte_range, check_no_self_overlap, check_plain_storage
+from ..core.checks import byte_range, check_no_self_overlap, check_scale, check_tensor, check_vector
+from ..formats import KVCacheLayout, check_cache, get_layout
 
 __all__ = [
     "DecodeProblem",
@@ -78,27 +78,14 @@ class DecodeProblem:
         return self.indices.shape[2]
 
     @property
+    def device(self) -> torch.device:
+        """The device the call runs on (where ``q`` is)."""
+        return self.q.device
+
+    @property
     def extra_topk(self) -> int:
         """Indices per query into the extra cache (0 without one)."""
         return 0 if self.extra_indices is None else self.extra_indices.shape[2]
-
-
-def check_tensor(
-    x: Any, name: str, dtypes: tuple, dim: int, device: torch.device | None = None, device_of: str = "q"
-) -> torch.Tensor:
-    """``x`` is a tensor of one of ``dtypes`` with ``dim`` dimensions (on ``device``, the device of
-    the argument ``device_of``), else ``TypeError``/``ValueError`` naming ``name``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
-    if x.dim() != dim:
-        raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {list(x.shape)}")
-    if device is not None and x.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (where {device_of} is), got {x.device}")
-    check_plain_storage(x, name)
-    return x
 
 
 def _check_q(q: Any) -> KVCacheLayout:
@@ -126,26 +113,6 @@ def _check_flags(lay: KVCacheLayout, head_dim_v: Any, is_fp8_kvcache: Any, causa
         )
     if causal:
         raise ValueError("causal: must be False for the sparse decode (the top-k indices already select the keys)")
-
-
-def check_scale(value: Any, name: str, expected: str = "a float") -> float:
-    """A finite positive real number (not a bool) as a float, else ``TypeError``/``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__}")
-    try:
-        v = float(value)
-    except OverflowError:  # an int or Fraction beyond float64
-        raise ValueError(f"{name}: expected a finite positive float (as float32), got {value!r}") from None
-    # the kernels take it as float32: it must stay finite and non-zero there too (rounded to
-    # nearest even, 2^-150 becomes 0 and the float32 maximum plus half an ulp becomes inf; plain
-    # Python, so that torch.compile traces it)
-    if not (_F32_ZERO_EDGE < v < _F32_INF_EDGE):
-        raise ValueError(f"{name}: expected a finite positive float (as float32), got {value!r}")
-    return v
-
-
-_F32_ZERO_EDGE = 2.0**-150
-_F32_INF_EDGE = (2.0 - 2.0**-24) * 2.0**127
 
 
 def check_traced_decode_args(
@@ -190,19 +157,6 @@ def _sm_scale(softmax_scale: Any, d_qk: int) -> float:
     return check_scale(softmax_scale, "softmax_scale", "a float or None")
 
 
-def _check_cache(kc: Any, name: str, lay: KVCacheLayout, dev: torch.device) -> None:
-    if not isinstance(kc, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(kc).__name__}")
-    if kc.device != dev:
-        raise ValueError(f"{name}: expected a tensor on {dev} (where q is), got {kc.device}")
-    if kc.dim() == 4 and kc.shape[2] != 1:
-        raise ValueError(f"{name}: h_kv (dim 2) must be 1 for MLA, got {kc.shape[2]}")
-    check_quantized_cache(kc, lay, name)
-    check_cache_alignment(kc, lay, name)
-    if kc.shape[0] < 1 or kc.shape[1] < 1:
-        raise ValueError(f"{name}: needs at least one block of at least one token, got {list(kc.shape)}")
-
-
 def _check_indices(ix: Any, name: str, b: int, s_q: int, dev: torch.device) -> None:
     check_tensor(ix, name, (torch.int32,), 3)
     if ix.shape[0] != b or ix.shape[1] != s_q:
@@ -211,17 +165,6 @@ def _check_indices(ix: Any, name: str, b: int, s_q: int, dev: torch.device) -> N
         raise ValueError(f"{name}: topk must be >= 1, got {ix.shape[2]}")
     if ix.device != dev:
         raise ValueError(f"{name}: expected a tensor on {dev} (where q is), got {ix.device}")
-
-
-def _check_vector(x: Any, name: str, dtype: torch.dtype, n: int, n_name: str, dev: torch.device) -> torch.Tensor | None:
-    """An optional 1-D ``[n]`` tensor, returned contiguous: the kernels index it as ``ptr + i``, so
-    a view (strided, expanded, offset) becomes a copy on the device (no host synchronisation)."""
-    if x is None:
-        return None
-    check_tensor(x, name, (dtype,), 1, dev)
-    if x.shape[0] != n:
-        raise ValueError(f"{name}: expected shape [{n_name}={n}], got {list(x.shape)}")
-    return x.contiguous()
 
 
 def validate_sparse_decode(
@@ -259,18 +202,18 @@ def validate_sparse_decode(
     given = (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     _check_flags(lay, head_dim_v, is_fp8_kvcache, causal)
     sm_scale = _sm_scale(softmax_scale, d_qk)
-    _check_cache(k_cache, "k_cache", lay, dev)
+    check_cache(k_cache, "k_cache", lay, dev)
     _check_indices(indices, "indices", b, s_q, dev)
-    topk_length = _check_vector(topk_length, "topk_length", torch.int32, b, "b", dev)
+    topk_length = check_vector(topk_length, "topk_length", torch.int32, b, "b", dev)
     if (extra_k_cache is None) != (extra_indices_in_kvcache is None):
         raise ValueError("extra_k_cache and extra_indices_in_kvcache: give both or neither")
     if extra_k_cache is None and extra_topk_length is not None:
         raise ValueError("extra_topk_length: given without extra_k_cache")
     if extra_k_cache is not None:
-        _check_cache(extra_k_cache, "extra_k_cache", lay, dev)
+        check_cache(extra_k_cache, "extra_k_cache", lay, dev)
         _check_indices(extra_indices_in_kvcache, "extra_indices_in_kvcache", b, s_q, dev)
-        extra_topk_length = _check_vector(extra_topk_length, "extra_topk_length", torch.int32, b, "b", dev)
-    attn_sink = _check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
+        extra_topk_length = check_vector(extra_topk_length, "extra_topk_length", torch.int32, b, "b", dev)
+    attn_sink = check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
     if out is not None:
         check_tensor(out, "out", (torch.bfloat16,), 4, dev)
         if tuple(out.shape) != (b, s_q, h_q, lay.d_v):

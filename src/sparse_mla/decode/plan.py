@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from .decode.backends import AUTO_ORDER, BACKENDS, Backend, Workspace, get_backend, resolve_backend
-from .decode.workspace import accumulator_bytes, split_accumulators
+from ..core.env import cuda_num_sms
+from .backends import AUTO_ORDER, BACKENDS, Backend, Workspace, get_backend, resolve_backend
 from .problem import MAX_H_Q, DecodeProblem
-from .runtime import cuda_num_sms
 from .scheduler import MAX_ACC_ROWS_PER_PART, ScheduleTable, batch_num_blocks, schedule
+from .workspace import accumulator_bytes, split_accumulators
 
 __all__ = [
     "FlashMLASchedMeta",
@@ -109,14 +109,14 @@ class FlashMLASchedMeta:
     have_initialized: bool = False
     config: ScheduleConfig | None = None
     plan: DecodePlan | None = None
-    #: the last validated call's fingerprint, scalars, problem, launch replay and (when it had
-    #: out/lse) its tensors' byte ranges relative to their pointers (serving.ops: repeated calls
-    #: skip the checks but the out/lse overlap one, and replay the launches)
+    #: the last validated eager call (a :class:`~sparse_mla.decode.eager.CallCache`, or None): a
+    #: repeated call with its geometry skips the checks but the out/lse overlap one, and replays
+    #: its launches
     call_cache: Any = field(default=None, repr=False, compare=False)
 
     @property
     def table(self) -> ScheduleTable | None:
-        """The :class:`~sparse_mla.scheduler.ScheduleTable` on the device, or None before use."""
+        """The :class:`~sparse_mla.decode.scheduler.ScheduleTable` on the device, or None before use."""
         return None if self.plan is None else self.plan.table
 
     @property
@@ -131,7 +131,7 @@ class FlashMLASchedMeta:
 
     @property
     def tile_scheduler_metadata(self) -> torch.Tensor | None:
-        """``[num_sm_parts, 8]`` int32 (see :mod:`sparse_mla.scheduler`), or None before use."""
+        """``[num_sm_parts, 8]`` int32 (see :mod:`sparse_mla.decode.scheduler`), or None before use."""
         return None if self.table is None else self.table.metadata
 
     @property

@@ -9,7 +9,7 @@ For batch ``i`` with ``n = acc_rows[i+1] - acc_rows[i] > 1`` pieces, partial out
 then ``attn_sink`` scales ``out`` by ``1 / (1 + exp2(sink·log2e - log2-lse))`` once, and a query
 with no valid key anywhere (all ``lse_j = -inf``) gets ``out = 0``, ``lse = +inf``. Batches with
 fewer than two rows (a single piece) were finished by the decode kernel and are left alone.
-``acc_rows`` is the scheduler's prefix of accumulator rows (:class:`~sparse_mla.scheduler.ScheduleTable`;
+``acc_rows`` is the scheduler's prefix of accumulator rows (:class:`~sparse_mla.decode.scheduler.ScheduleTable`;
 FlashMLA's ``num_splits`` prefix also works, with more rows).
 
 The split-KV buffers are made by :func:`sparse_mla.decode.workspace.split_accumulators`; the
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import cdiv, cuda_num_sms, interpreting, pdl_enabled, require_runnable
-from .launcher import launch as launch_kernel
+from ...core.env import cdiv, cuda_num_sms, interpreting, pdl_enabled, require_runnable
+from ...core.launcher import launch as launch_kernel
 
 
 @triton.jit
@@ -234,7 +234,7 @@ def combine_fwd(
         pdl: launch as the programmatic dependent of the kernel before it on the stream (which
             must write the partials; the Hopper decode, which signals after its stores): the
             programs wait for it to complete before reading anything it wrote. Only where
-            :func:`sparse_mla.runtime.pdl_enabled` holds (sm_90+, not the interpreter).
+            :func:`sparse_mla.core.env.pdl_enabled` holds (sm_90+, not the interpreter).
     """
     b, s_q, h_q, d_v = out.shape
     if not out.is_cuda and not interpreting():

@@ -1,6 +1,6 @@
-"""Where the kernels run: the one place that reads the environment (``TRITON_INTERPRET``, and
-``SPARSE_MLA_BACKEND``, a debugging override of the decode backend), and the numeric constants
-the kernels share.
+"""Where the kernels run: the one place that reads the environment (``TRITON_INTERPRET``,
+``SPARSE_MLA_BACKEND``, a debugging override of every operation's ``backend="auto"``, and
+``SPARSE_MLA_PDL``), the device queries, and the numeric constants the kernels share.
 
 Triton decides when a kernel is *defined* (``@triton.jit`` at import of its module) whether it
 will be compiled or interpreted. CPU tensors can run only interpreted kernels, CUDA tensors
@@ -26,13 +26,10 @@ __all__ = [
     "cuda_num_sms",
     "pdl_enabled",
     "on_tensor_device",
-    "check_plain_storage",
-    "check_apart",
-    "check_no_self_overlap",
-    "storage_extent",
-    "byte_range",
     "LOG2E",
     "LN2",
+    "next_pow2",
+    "cdiv",
 ]
 
 LOG2E = math.log2(math.e)
@@ -142,66 +139,3 @@ def on_tensor_device(fn):
         return fn(*args, **kwargs)
 
     return wrapper
-
-
-def storage_extent(x: torch.Tensor) -> int:
-    """Bytes from ``x``'s first element to one past its last (0 for an empty tensor)."""
-    if x.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True))) * x.element_size()
-
-
-def check_plain_storage(x: torch.Tensor, name: str) -> None:
-    """``x`` is a dense tensor whose elements the kernels can read as stored: strided layout, not
-    a lazily negated or conjugated view (the kernels read the raw bits), not a zero tensor without
-    storage, and every element inside its storage (a storage shrunk under a view is refused)."""
-    if torch.compiler.is_compiling():
-        return  # (traced: no storage to bound; the operators check their real tensors when they run)
-    if x.layout != torch.strided:
-        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}")
-    if x.is_neg() or x.is_conj():
-        raise ValueError(f"{name}: a lazily negated or conjugated view; pass {name}.resolve_neg() / .resolve_conj()")
-    if x._is_zerotensor():
-        raise ValueError(f"{name}: a zero tensor without storage; pass a materialised tensor (torch.zeros)")
-    if x.device.type == "meta":
-        return  # (refused by device checks where it matters; a meta tensor has no bytes to bound)
-    end = x.storage_offset() * x.element_size() + storage_extent(x)
-    if end > x.untyped_storage().nbytes():
-        raise ValueError(f"{name}: its elements run {end - x.untyped_storage().nbytes()} bytes past its storage")
-
-
-def check_apart(out: torch.Tensor, name: str, inputs) -> None:
-    """Raise ``ValueError`` naming ``name`` when the output ``out``'s bytes (from its first element to
-    its last) meet those of any tensor of ``inputs`` (None and empty ones skipped): a kernel that
-    writes ``out`` while it reads them would read its own writes. A sufficient rule on byte spans,
-    so interleaved views that never share an element are refused too."""
-    if out.numel() == 0 or out.device.type == "meta":
-        return
-    lo, hi = byte_range(out)
-    for t in inputs:
-        if t is not None and t.numel() > 0 and t.device == out.device:
-            t_lo, t_hi = byte_range(t)
-            if t_lo <= hi and lo <= t_hi:
-                raise ValueError(f"{name}: must not overlap an input in memory")
-
-
-def byte_range(t: torch.Tensor) -> tuple[int, int]:
-    """``[first, last]`` byte addresses a non-empty tensor's elements touch (strides are never
-    negative: the first is the data pointer)."""
-    lo = t.data_ptr()
-    return lo, lo + storage_extent(t) - 1
-
-
-def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
-    """An output buffer must hold each element once (no expanded or otherwise self-overlapping
-    strides: checked by the sufficient rule that each stride, in increasing order, exceeds the
-    span of the smaller ones)."""
-    if t.numel() == 0:
-        return
-    span = 0
-    for n, st in sorted(((n, abs(st)) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1), key=lambda x: x[1]):
-        if st <= span:
-            raise ValueError(
-                f"{name}: its elements overlap in memory (expanded or overlapping strides {tuple(t.stride())})"
-            )
-        span += (n - 1) * st

@@ -30,20 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import cache_bytes
+from ...core.env import LOG2E, cdiv, interpreting, require_runnable
+from ...core.launcher import launch_fitting
+from ...formats.gather import cache_args, dot_consts, gather_consts, load_block_keys
 from ..problem import DecodeProblem, finish_outputs, output_tensors
-from ..runtime import LOG2E, cdiv, interpreting, require_runnable
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, small_head_tile
+from ..workspace import split_accumulators
 from .combine import combine_fwd, final_out_lse
-from .launcher import launch_fitting
-from .workspace import split_accumulators
 
 __all__ = ["PortableConfig", "launch"]
-
-# how a token's cache address is computed (constexpr ADDR)
-ADDR_CONTIGUOUS_V32 = tl.constexpr(0)  # V32 cache whose blocks are contiguous: token address = slot * token_stride
-ADDR_POW2_PAGE = tl.constexpr(1)  # power-of-two page_block_size: shift and mask
-ADDR_GENERAL = tl.constexpr(2)  # integer division
 
 
 @dataclass(frozen=True)
@@ -70,98 +65,6 @@ class PortableConfig:
             raise ValueError(
                 f"PortableConfig.block_n: expected a power of two dividing {TOPK_BLOCK_SIZE}, got {self.block_n}"
             )
-
-
-@triton.jit
-def e4m3_decode_exact(b):
-    """e4m3 bytes (any integer dtype) -> float32 by integer operations, exactly: sign and the 7 low
-    bits placed into an fp16 (times 2^8 restores the exponent bias); 0x7F / 0xFF are NaN."""
-    b = b.to(tl.int32)
-    h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16)
-    x = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), x)
-
-
-@triton.jit
-def _e4m3_to(k8, DOT_DTYPE: tl.constexpr):
-    """Cache bytes -> dot operands. Compiled: Triton's e4m3 conversion. fp32 operands are the
-    interpreter's (:func:`dot_consts`), whose e4m3 cast reads the NaN bytes as +-480: there the
-    exact integer decode instead."""
-    if DOT_DTYPE == tl.float32:
-        return e4m3_decode_exact(k8)
-    else:
-        return k8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
-
-
-@triton.jit
-def _load_block_keys(
-    cache,
-    sel,
-    req,
-    sq,
-    pos0,
-    n_valid,
-    ADDR: tl.constexpr,
-    IS_V32: tl.constexpr,
-    D_MAIN: tl.constexpr,
-    D_NOPE: tl.constexpr,
-    D_TAIL: tl.constexpr,
-    TILE: tl.constexpr,
-    MAIN_TILES: tl.constexpr,
-    NUM_TILES: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """Gather and dequantise BLOCK_N indexed tokens: (k_main [N, 512], k_tail [N, 64], valid [N])."""
-    kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2 = cache
-    idx_ptr, stride_ib, stride_is, stride_it, _topk, _len_ptr = sel
-    offs_n = pos0 + tl.arange(0, BLOCK_N)
-    in_list = offs_n < n_valid
-    idx = tl.load(idx_ptr + req * stride_ib + sq * stride_is + offs_n * stride_it, mask=in_list, other=-1)
-    valid = in_list & (idx >= 0) & (idx < num_tokens)
-    safe = tl.where(valid, idx, 0).to(tl.int64)
-    if ADDR == ADDR_CONTIGUOUS_V32:
-        blk = safe * 0
-        off = safe
-    elif ADDR == ADDR_POW2_PAGE:
-        blk = safe >> pbs_log2
-        off = safe & (pbs - 1)
-    else:
-        blk = safe // pbs
-        off = safe - blk * pbs
-    cols = tl.arange(0, D_MAIN)
-    if IS_V32:
-        tok = blk * stride_blk + off * stride_tok  # byte offset of each token record
-        k8 = tl.load(kv_ptr + tok[:, None] + cols[None, :], mask=valid[:, None], other=0)
-        kf = _e4m3_to(k8, DOT_DTYPE)
-        sptr = (kv_ptr + tok + D_NOPE).to(tl.pointer_type(tl.float32))
-        tiles = tl.arange(0, MAIN_TILES)
-        sc = tl.load(sptr[:, None] + tiles[None, :], mask=valid[:, None], other=0.0)
-        # power-of-two scales: the product is exact in bf16
-        kf = tl.reshape(tl.reshape(kf, [BLOCK_N, MAIN_TILES, TILE]) * sc.to(DOT_DTYPE)[:, :, None], [BLOCK_N, D_MAIN])
-        rptr = (kv_ptr + tok + D_NOPE + 4 * NUM_TILES).to(tl.pointer_type(tl.bfloat16))
-        rc = tl.arange(0, D_TAIL)
-        k_tail = tl.load(rptr[:, None] + rc[None, :], mask=valid[:, None], other=0.0)
-    else:
-        base = blk * stride_blk
-        tok = base + off * (D_NOPE + 2 * D_TAIL)
-        is_nope = cols < D_NOPE
-        k8 = tl.load(kv_ptr + tok[:, None] + cols[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
-        kf = _e4m3_to(k8, DOT_DTYPE)
-        tiles = tl.arange(0, MAIN_TILES)
-        eb = tl.load(
-            kv_ptr + base[:, None] + pbs * (D_NOPE + 2 * D_TAIL) + off[:, None] * 8 + tiles[None, :],
-            mask=valid[:, None] & (tiles[None, :] < NUM_TILES),
-            other=127,
-        )
-        sc = tl.exp2(eb.to(tl.float32) - 127.0).to(DOT_DTYPE)
-        kf = tl.reshape(tl.reshape(kf, [BLOCK_N, MAIN_TILES, TILE]) * sc[:, :, None], [BLOCK_N, D_MAIN])
-        rptr = (kv_ptr + tok + D_NOPE).to(tl.pointer_type(tl.bfloat16))
-        rc = cols - D_NOPE
-        rope = tl.load(rptr[:, None] + rc[None, :], mask=valid[:, None] & (cols[None, :] >= D_NOPE), other=0.0)
-        kf = tl.where(is_nope[None, :], kf, rope.to(DOT_DTYPE))
-        k_tail = tl.zeros([BLOCK_N, D_TAIL], dtype=tl.bfloat16)
-    return kf.to(DOT_DTYPE), k_tail.to(DOT_DTYPE), valid
 
 
 @triton.jit
@@ -192,7 +95,7 @@ def _block_step(
     RESCALE_TAU: tl.constexpr = 8.0,
 ):
     """One BLOCK_N-token step of the online softmax; returns the updated (m, l, acc)."""
-    k_main, k_tail, valid = _load_block_keys(
+    k_main, k_tail, valid = load_block_keys(
         cache,
         sel,
         req,
@@ -491,33 +394,6 @@ def _sparse_decode_kernel(
         req += 1
 
 
-def _cache_args(kc: torch.Tensor, is_v32: bool) -> tuple[tuple, int]:
-    """The kernel's ``cache`` tuple for a cache tensor, and its ADDR mode."""
-    raw = cache_bytes(kc)
-    nb, pbs = raw.shape[0], raw.shape[1]
-    pow2 = pbs & (pbs - 1) == 0
-    if is_v32 and (nb == 1 or raw.stride(0) == pbs * raw.stride(1)):
-        addr = ADDR_CONTIGUOUS_V32.value
-    else:
-        addr = (ADDR_POW2_PAGE if pow2 else ADDR_GENERAL).value
-    return (raw, raw.stride(0), raw.stride(1), nb * pbs, pbs, pbs.bit_length() - 1 if pow2 else 0), addr
-
-
-def gather_consts(lay) -> dict:
-    """The constexprs of :func:`_load_block_keys` that a cache layout fixes."""
-    return dict(D_NOPE=lay.d_nope, TILE=lay.tile, MAIN_TILES=512 // lay.tile, NUM_TILES=lay.num_tiles)
-
-
-def dot_consts(interp: bool, loop: bool = True) -> dict:
-    """Dot operand dtype and precision, and (``loop``) the loop form: the interpreter's bf16 dot is
-    wrong (docs/design.md, environment), so there fp32 operands with exact (ieee) products and a
-    while loop (its range() cannot take loaded bounds with NumPy >= 2.4)."""
-    consts = dict(DOT_DTYPE=tl.float32 if interp else tl.bfloat16, DOT_PREC="ieee" if interp else None)
-    if loop:
-        consts["FOR_LOOP"] = not interp
-    return consts
-
-
 def _sel_args(indices: torch.Tensor, lengths: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
     return (indices, *indices.stride(), indices.shape[2], lengths if lengths is not None else dummy)
 
@@ -534,7 +410,7 @@ def launch(
     """Launch the portable split-KV kernel, and the combine kernel when some batch is split.
 
     Args:
-        p: a validated, non-empty problem (:func:`sparse_mla.problem.validate_sparse_decode`).
+        p: a validated, non-empty problem (:func:`sparse_mla.decode.problem.validate_sparse_decode`).
         table: its schedule on ``p.q``'s device, sized for this backend's tile.
         config: launch parameters (default :class:`PortableConfig`).
         workspace: ``(o_accum, lse_accum)`` of at least ``table.num_acc_rows`` rows
@@ -557,10 +433,10 @@ def launch(
     o_acc, l_acc = workspace or split_accumulators(table.num_acc_rows, s_q, h_q, p.d_v, dev)
     is_v32 = lay.name == "V32"
     dummy_i32 = table.acc_rows
-    cache, addr = _cache_args(p.k_cache, is_v32)
+    cache, addr = cache_args(p.k_cache, is_v32)
     sel = _sel_args(p.indices, p.topk_length, dummy_i32)
     has_extra = p.extra_k_cache is not None
-    extra_cache, extra_addr = _cache_args(p.extra_k_cache, is_v32) if has_extra else (cache, addr)
+    extra_cache, extra_addr = cache_args(p.extra_k_cache, is_v32) if has_extra else (cache, addr)
     extra_sel = _sel_args(p.extra_indices, p.extra_topk_length, dummy_i32) if has_extra else sel
     args = (
         (q, q.stride(0), q.stride(1), q.stride(2)),

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from triton import knobs
 
-from ..runtime import interpreting
+from .env import interpreting
 
 __all__ = [
     "launch",

@@ -1,5 +1,5 @@
 """The decode path's kernel launches stubbed at Triton's compiled launcher, for host-time
-measurement and tests on a machine without a GPU (``benchmarks/host.py``, ``tests/test_host_path.py``).
+measurement and tests on a machine without a GPU (``benchmarks/host.py``, ``tests/test_host_path.py``; not part of the installed package).
 
 Inside :func:`stub_compiled_launches` the launcher believes it runs compiled kernels on device 0:
 the direct path is on even under the interpreter, a kernel's first launch returns a stub handle
@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-from . import backends, combine, hopper, launcher, portable
+from sparse_mla.core import launcher
+from sparse_mla.decode import backends
+from sparse_mla.decode.kernels import combine, hopper, portable
 
 __all__ = ["stub_compiled_launches", "KERNELS"]
 

@@ -4,7 +4,7 @@ the CPU under Triton's interpreter. Twin: :func:`sparse_mla.prefill.reference.sp
 One program serves one query token and ``BLOCK_H`` of its heads (grid ``(s_q, ceil(h_q /
 BLOCK_H))``): it walks the token's valid top-k list ``BLOCK_N`` indices a step, gathers the rows
 (bf16 ``kv`` rows, or FP8 cache records dequantised by the decode kernel's gather,
-:func:`sparse_mla.decode.portable._load_block_keys`), computes ``QKᵀ`` over ``d_qk``, runs an
+:func:`sparse_mla.decode.kernels.portable.load_block_keys`), computes ``QKᵀ`` over ``d_qk``, runs an
 online softmax in exp2 space with the running max as the reference point (so the row max is
 also ``max_logits``) and accumulates ``P·V`` over ``d_v = 512`` in fp32. No split-KV: a query
 token's top-k is one program's loop. Invalid keys are never loaded (masked loads, 0 as the fill
@@ -17,12 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..decode.combine import final_out_lse
-from ..decode.launcher import launch_fitting
-from ..decode.portable import ADDR_GENERAL, _cache_args, _load_block_keys, dot_consts, gather_consts
-from ..runtime import LOG2E, cdiv, interpreting, require_runnable
-from ..scheduler import small_head_tile
-from .problem import PrefillProblem
+from ...core.env import LOG2E, cdiv, interpreting, require_runnable
+from ...core.launcher import launch_fitting
+from ...decode.kernels.combine import final_out_lse
+from ...decode.scheduler import small_head_tile
+from ...formats.gather import ADDR_GENERAL, cache_args, dot_consts, gather_consts, load_block_keys
+from ..problem import PrefillProblem
 
 __all__ = ["launch", "BLOCK_N"]
 
@@ -85,7 +85,7 @@ def _prefill_step(
 ):
     """One BLOCK_N-index step of the online softmax; returns the updated (m, l, acc)."""
     if KV_FP8:
-        k_main, k_tail, valid = _load_block_keys(
+        k_main, k_tail, valid = load_block_keys(
             cache,
             sel,
             i,
@@ -210,7 +210,7 @@ def launch(
     Returns:
         ``out [s_q, h_q, 512]`` bf16, ``max_logits [s_q, h_q]`` fp32, ``lse [s_q, h_q]`` fp32.
     """
-    require_runnable(_sparse_prefill_kernel, p.q.device, final_out_lse, _load_block_keys)
+    require_runnable(_sparse_prefill_kernel, p.q.device, final_out_lse, load_block_keys)
     q = p.q
     s_q, h_q, _ = q.shape
     dev = q.device
@@ -222,7 +222,7 @@ def launch(
     lay = p.layout
     is_v32 = lay.name == "V32"
     if p.kv_fp8:
-        cache, addr = _cache_args(p.kv, is_v32)
+        cache, addr = cache_args(p.kv, is_v32)
         kv_bf16 = (q, 0, 0)  # never read
     else:
         cache, addr = (q, 0, 0, 0, 1, 0), ADDR_GENERAL.value  # never read
