@@ -1,5 +1,5 @@
 """The decode path's kernel launches stubbed at Triton's compiled launcher, for host-time
-measurement and tests on a machine without a GPU (``benchmarks/host.py``, ``tests/test_host_path.py``; not part of the installed package).
+measurement and tests on a machine without a GPU (``benchmarks/host.py``, ``tests/decode/test_host_path.py``; not part of the installed package).
 
 Inside :func:`stub_compiled_launches` the launcher believes it runs compiled kernels on device 0:
 the direct path is on even under the interpreter, a kernel's first launch returns a stub handle
@@ -76,7 +76,7 @@ def stub_compiled_launches(record: bool = True) -> Iterator[list]:
         for mod in (launcher, portable):  # the compiled-kernel branches (bf16 out, direct path on)
             mp.setattr(mod, "interpreting", lambda: False)
         mp.setattr(torch.cuda, "current_device", lambda: 0)
-        mp.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 0)
+        mp.setattr(launcher, "_current_stream", lambda dev: 0)
         mp.setattr(backends.HopperBackend, "unsupported", lambda self, p: None)
         mp.setattr(launcher, "_CACHE", {})
         mp.setattr(launcher, "_STAGE_CAP", {})

@@ -11,15 +11,18 @@ runs once and its kernel is remembered under the new key; the cache holds at mos
 :data:`MAX_KEYS` keys.)
 
 The first call of every key, calls made while a Triton launch hook is installed (profilers), and
-everything under the interpreter take Triton's normal path. ``SPARSE_MLA_DIRECT_LAUNCH=0``
-turns the direct path off (for debugging).
+everything under the interpreter take Triton's normal path. The direct path drives Triton's
+compiled-kernel launcher by its calling convention, which is not a public API: it runs only with
+the Triton releases it was tested with (:data:`DIRECT_LAUNCH_TRITON`); any other release takes
+Triton's public launch path for every launch (same results, more host time).
+``SPARSE_MLA_DIRECT_LAUNCH=0`` turns the direct path off (for debugging).
 
 A caller that repeats the same launches with other tensors of the same geometry can skip even
 that: :func:`recording` captures the launches made inside it (compiled handle, grid, every
 argument), :func:`make_replay` turns them into a :class:`Replay` (argument templates with the
 places of the per-call tensors), and :meth:`Replay.run` relaunches with new tensors, no key or
-argument packing on the way (``serving.ops.decode`` keeps one per scheduler object and call
-geometry).
+argument packing on the way (:mod:`sparse_mla.decode.eager` keeps one per scheduler object and
+call geometry).
 """
 
 from __future__ import annotations
@@ -49,15 +52,39 @@ __all__ = [
 ]
 
 _ENV = "SPARSE_MLA_DIRECT_LAUNCH"
-try:  # the variable read straight from os.environ's own store: os.environ.get costs ~0.6 µs a call
-    _ENV_STORE, _ENV_KEY, _ENV_OFF = os.environ._data, os.environ.encodekey(_ENV), os.environ.encodevalue("0")
-except AttributeError:  # another os.environ than CPython's: the public mapping
-    _ENV_STORE, _ENV_KEY, _ENV_OFF = os.environ, _ENV, "0"
+
+#: the Triton releases whose compiled-kernel launcher calling convention the direct path was tested
+#: with (``CompiledKernel.run(gridX, gridY, gridZ, stream, function, packed_metadata,
+#: launch_metadata, enter_hook, exit_hook, *args)``); on any other release every launch takes
+#: Triton's public ``kernel[grid](...)`` path (same results, more host time per launch)
+DIRECT_LAUNCH_TRITON = ("3.6.0",)
+
+
+@functools.cache
+def _triton_tested() -> bool:
+    import triton
+
+    return triton.__version__ in DIRECT_LAUNCH_TRITON
 
 
 def _direct_off() -> bool:
-    """Whether ``SPARSE_MLA_DIRECT_LAUNCH=0`` is set now (read on every call: tests flip it)."""
-    return _ENV_STORE.get(_ENV_KEY) == _ENV_OFF
+    """Whether the direct path is off now: ``SPARSE_MLA_DIRECT_LAUNCH=0`` (read on every call:
+    tests flip it) or a Triton release it was not tested with."""
+    return os.environ.get(_ENV) == "0" or not _triton_tested()
+
+
+_get_stream: Callable[[int], int] | None = None
+
+
+def _current_stream(dev: int) -> int:
+    """The current CUDA stream's handle on device ``dev``, as Triton's own launch path gets it
+    (``triton.runtime.driver.active.get_current_stream``, bound on first use)."""
+    global _get_stream
+    if _get_stream is None:
+        from triton.runtime import driver
+
+        _get_stream = driver.active.get_current_stream
+    return _get_stream(dev)
 
 
 _CACHE: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
@@ -66,8 +93,9 @@ MAX_KEYS = 4096
 
 
 def direct_launch_enabled() -> bool:
-    """Whether repeated launches go straight to the compiled kernel (``SPARSE_MLA_DIRECT_LAUNCH``,
-    default on; always off under the interpreter)."""
+    """Whether repeated launches go straight to the compiled kernel: on by default with a Triton
+    release of :data:`DIRECT_LAUNCH_TRITON`; off under the interpreter, with any other Triton, or
+    with ``SPARSE_MLA_DIRECT_LAUNCH=0``."""
     return not _direct_off() and not interpreting()
 
 
@@ -149,7 +177,7 @@ def launch(
     if prepare is not None:
         prepare(compiled, dev)
     full = (*args, *(consts[n] for n in names))
-    stream = torch._C._cuda_getCurrentRawStream(dev)
+    stream = _current_stream(dev)
     compiled.run(
         grid[0],
         grid[1],
@@ -431,7 +459,7 @@ class Replay:
         dev = torch.cuda.current_device()
         if dev != self.device:
             return False
-        if not self._launch_all(tensors, torch._C._cuda_getCurrentRawStream(dev)):
+        if not self._launch_all(tensors, _current_stream(dev)):
             return False  # an alignment differs: nothing was launched
         if getattr(_recording, "launches", None) is not None:
             _record(None)  # a replay inside a recording cannot be recorded again
