@@ -2,7 +2,7 @@
 same GPU, for both ``kv`` forms: bf16 rows (FlashMLA's input) and the FP8 paged cache (ours only;
 no up-converted copy).
 
-Shapes: FlashMLA's prefill benchmark rows (DESIGN §9; ``s_q = 4096``, attn_sink on, random top-k
+Shapes: FlashMLA's prefill benchmark rows (``s_q = 4096``, attn_sink on, random top-k
 rows of ``s_kv`` per query token), plus tensor-parallel head counts 16 and 32. Per row: µs (median
 of ``triton.testing.do_bench``), TFLOP/s on ``2·s_q·h_q·topk·(d_qk + 512)``, % of the measured bf16
 matmul ceiling, and the ratio to FlashMLA's bf16 time (targets: bf16 ≤ 1.10, FP8 cache ≤ 1.20).

@@ -140,7 +140,7 @@ def flash_mla_sparse_fwd(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill: every query token attends its own top-k keys (FlashMLA 1.0's
-    ``flash_mla_sparse_fwd`` signature and semantics; DESIGN §9).
+    ``flash_mla_sparse_fwd`` signature and semantics).
 
     Beyond FlashMLA: any ``h_q`` in 1..128, any ``topk >= 1``, and ``kv`` may be the FP8 paged
     cache itself, with ``indices`` holding cache slots exactly as the decode takes them (no

@@ -1,4 +1,4 @@
-"""fp32 PyTorch reference of the FP8 sparse MLA decode (the test oracle; DESIGN §3, seed steps 5-16).
+"""fp32 PyTorch reference of the FP8 sparse MLA decode (the test oracle; docs/design.md §3, walkthrough steps 5-16).
 
 Two references of the same function:
 
@@ -152,7 +152,7 @@ def sparse_decode_reference(
 
 
 def combine_weights(lse_log2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights of the combine step (seed step 16) for splits with log2-space LSEs.
+    """Weights of the combine step (walkthrough step 16) for splits with log2-space LSEs.
 
     Returns ``(w, sum)``: ``w_i = exp2(lse_i - max)`` and ``sum = Σ w_i`` over the last dim.
     """

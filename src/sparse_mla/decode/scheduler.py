@@ -1,4 +1,4 @@
-"""Tile scheduler of the split-KV sparse decode (seed step 3, DESIGN §5).
+"""Tile scheduler of the split-KV sparse decode (walkthrough step 3, docs/design.md §5).
 
 The work of batch ``i`` is ``num_blocks[i] = ceil(max(topk_eff_i, 1) / 64)`` blocks of 64 top-k
 indices (plus ``ceil(extra_topk_eff_i / 64)`` blocks of the extra cache), and each batch a
@@ -81,7 +81,7 @@ def compute_num_sm_parts(num_sms: int, s_q: int, h_q: int, heads_per_cta: int = 
 def small_head_tile(h_q: int) -> int:
     """Heads per program of the portable kernel (and the reference that mirrors its schedule):
     16 when that is all there is, else 64 (FlashMLA's tile; on the H200 a 32-head tile ran
-    slower than a 64-head one, docs/perf-log.md)."""
+    slower than a 64-head one)."""
     return 16 if h_q <= 16 else 64
 
 
@@ -90,8 +90,8 @@ def hopper_head_tile(h_q: int) -> int:
     consumer puts the heads on the wgmma's N and a block's 64 tokens on M), else 64 (one wgmma M
     tile; rows past h_q are zero queries, never stored).
 
-    The thresholds are the measured crossover (H200, V32, s_q 2, topk 2048, graph replay, session
-    24, docs/perf.md): the 16-head tile 145.1 µs at b=128 where the 32-head tile takes 204.3; the
+    The thresholds are the measured crossover (H200, V32, s_q 2, topk 2048, graph replay,
+    2026-12-03, commit b4e0104): the 16-head tile 145.1 µs at b=128 where the 32-head tile takes 204.3; the
     32-head tile 204.3 / 109.0 / 23.2 µs at b = 128 / 64 / 2 against 247.8 / 131.2 / 26.2 for the
     64-head tile; past 32 heads one 64-head tile (247.8) against two 32-head tiles' ~2 x 204."""
     return 16 if h_q <= 16 else 32 if h_q <= 32 else 64

@@ -1,4 +1,4 @@
-"""Context-parallel sparse decode over ``torch.distributed`` (DESIGN §11): each rank holds a shard
+"""Context-parallel sparse decode over ``torch.distributed``: each rank holds a shard
 of the cache, attends the indices it owns, and the partial results merge by their natural-log LSEs.
 
 * :func:`merge_attention_states` — the pure merge (any device; twin :func:`merge_attention_states_reference`);

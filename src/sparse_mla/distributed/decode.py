@@ -1,5 +1,5 @@
 """Context-parallel sparse decode: the cache's slots are spread over the ranks of a process group,
-each rank attends the indices it owns, and one all-gather merges the parts (DESIGN §11).
+each rank attends the indices it owns, and one all-gather merges the parts.
 
 **Ownership rule: contiguous slot ranges.** ``slot_offsets`` (``world_size + 1`` non-decreasing
 ints, ``slot_offsets[0] = 0``) gives rank ``r`` the global slots ``[slot_offsets[r],

@@ -1,4 +1,4 @@
-"""Merging attention over disjoint key sets by their natural-log LSEs (DESIGN §11).
+"""Merging attention over disjoint key sets by their natural-log LSEs.
 
 Part ``r`` attended key set ``K_r`` and returned ``out_r`` (normalised by its own softmax sum) and
 ``lse_r = log Σ_{k∈K_r} exp(s_k)``. Then over ``∪ K_r``::

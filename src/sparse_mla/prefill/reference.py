@@ -1,4 +1,4 @@
-"""fp32 PyTorch reference of the sparse prefill (the test oracle; DESIGN §9).
+"""fp32 PyTorch reference of the sparse prefill (the test oracle).
 
 Semantics (FlashMLA 1.0's ``flash_mla_sparse_fwd``): query token ``i`` attends the rows
 ``indices[i, 0, :topk_length[i]]`` of ``kv`` that are valid (``0 <= idx < s_kv``; for an FP8 paged

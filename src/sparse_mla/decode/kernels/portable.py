@@ -43,7 +43,7 @@ __all__ = ["PortableConfig", "launch"]
 
 @dataclass(frozen=True)
 class PortableConfig:
-    """Launch parameters of the portable kernel (defaults: the measured best on the H200, docs/perf-log.md).
+    """Launch parameters of the portable kernel (defaults: the measured best on the H200).
 
     Attributes:
         block_n: tokens gathered per step (a power of two dividing 64).
