@@ -59,7 +59,12 @@ def _abs_to_cache_kernel(
 
 @on_tensor_device
 def abs_indices_to_kvcache_indices_triton(
-    abs_indices: torch.Tensor, block_table: torch.Tensor, page_block_size: int, out: torch.Tensor | None = None
+    abs_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    page_block_size: int,
+    out: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Triton twin of :func:`sparse_mla.kvcache.abs_indices_to_kvcache_indices` (identical results).
 
@@ -73,13 +78,15 @@ def abs_indices_to_kvcache_indices_triton(
             each logical block of each request; negative = not allocated.
         page_block_size: tokens per page block (> 0).
         out: optional ``[b, s_q, topk]`` int32 tensor to write into (e.g. a CUDA-graph buffer).
+        backend: ``"auto"``, ``"portable"`` (the Triton kernel) or ``"reference"`` (the PyTorch
+            function), resolved as every operation's (:mod:`sparse_mla.core.backend`).
 
     Returns:
         ``[b, s_q, topk]`` int32 cache indices (``block * page_block_size + offset``), ``-1`` where
         the position is negative, beyond the block table, or maps to a negative block or past int32.
 
     Raises:
-        TypeError / ValueError: wrong dtypes, shapes, devices, ``page_block_size`` or ``out``.
+        TypeError / ValueError: wrong dtypes, shapes, devices, ``page_block_size``, ``out`` or ``backend``.
     """
     check_abs_index_args(abs_indices, block_table, page_block_size)
     page_block_size = int(page_block_size)  # (a NumPy integer passes the check)
@@ -95,10 +102,11 @@ def abs_indices_to_kvcache_indices_triton(
             )
         check_plain_storage(out, "out")
         check_no_self_overlap(out, "out")
+    dev = abs_indices.device
+    kernels = runs_kernels(dev, backend)
     if out.numel() == 0:
         return out
-    dev = abs_indices.device
-    if not runs_kernels(dev):
+    if not kernels:
         from .reference import abs_indices_to_kvcache_indices
 
         out.copy_(abs_indices_to_kvcache_indices(abs_indices, block_table, page_block_size))

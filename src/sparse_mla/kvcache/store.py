@@ -123,6 +123,7 @@ def quantize_and_store_kv(
     layout: LayoutLike | None = None,
     *,
     block_t: int | None = None,
+    backend: str = "auto",
 ) -> None:
     """Quantise new tokens' latent KV and write them in place into a paged FP8 cache.
 
@@ -145,12 +146,15 @@ def quantize_and_store_kv(
             a strided view of a larger pool (its strides are honoured). Written in place.
         layout: optional ``"V32"``/``"MODEL1"``; when given it must agree with ``k_cache``.
         block_t: tokens per Triton program (a power of two <= 64; default: 1 for small ``n``, else 4).
+        backend: ``"auto"``, ``"portable"`` (the Triton kernel) or ``"reference"`` (the twin), resolved
+            as every operation's (:mod:`sparse_mla.core.backend`).
 
     Raises:
         TypeError: wrong dtypes (``kv`` not bf16, ``slot_mapping`` not int64/int32, cache not
             fp8/uint8) or non-tensors.
         ValueError: shapes, ``d_qk`` not matching the cache layout, devices differ, misaligned
-            cache, out-of-range slots (CPU ``slot_mapping`` only), bad ``block_t``.
+            cache, out-of-range slots (CPU ``slot_mapping`` only), bad ``block_t``, a ``backend``
+            that is unknown or cannot serve the tensors' device.
     """
     lay = check_store_args(kv, slot_mapping, k_cache, layout)
     n = kv.shape[0]
@@ -158,9 +162,10 @@ def quantize_and_store_kv(
         block_t = 1 if n < 1024 else 4
     if isinstance(block_t, bool) or not isinstance(block_t, int) or not 1 <= block_t <= 64 or block_t & (block_t - 1):
         raise ValueError(f"block_t: expected a power of two in [1, 64], got {block_t!r}")
+    kernels = runs_kernels(k_cache.device, backend)
     if n == 0 or k_cache.numel() == 0:
         return
-    if not runs_kernels(k_cache.device):
+    if not kernels:
         from .reference import quantize_and_store_kv_reference
 
         quantize_and_store_kv_reference(kv, slot_mapping, k_cache)

@@ -1,0 +1,80 @@
+"""``backend=`` is resolved the same way for every operation (:mod:`sparse_mla.core.backend`): the
+same names, the same errors, and ``SPARSE_MLA_BACKEND`` replacing ``"auto"`` wherever the operation
+has a backend of that name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparse_mla as flash_mla
+from sparse_mla.core.backend import ALL_BACKEND_NAMES, BackendSet, check_backend_override
+from sparse_mla.decode.backends import DECODE_BACKENDS
+from sparse_mla.indexer.backends import INDEXER_BACKENDS
+from sparse_mla.kvcache.backends import KVCACHE_BACKENDS
+from sparse_mla.prefill.backends import PREFILL_BACKENDS
+
+SETS = [DECODE_BACKENDS, PREFILL_BACKENDS, INDEXER_BACKENDS, KVCACHE_BACKENDS]
+CPU = torch.device("cpu")
+
+
+class _P:
+    device = CPU
+
+
+@pytest.mark.parametrize("bs", SETS, ids=lambda b: b.operation)
+def test_every_operation_resolves_alike(bs: BackendSet, monkeypatch):
+    monkeypatch.delenv("SPARSE_MLA_BACKEND", raising=False)
+    assert set(bs.auto_order) <= set(ALL_BACKEND_NAMES)
+    assert bs.auto_order[-1] == "reference"  # the twin serves everything, last
+    assert bs.resolve(_P(), "reference").name == "reference"
+    assert bs.resolve(_P(), "auto").unsupported(_P()) is None
+    with pytest.raises(ValueError, match="^backend: expected 'auto' or one of"):
+        bs.resolve(_P(), "bogus")
+    with pytest.raises(TypeError, match="^backend: expected a str"):
+        bs.resolve(_P(), 3)
+    monkeypatch.setenv("SPARSE_MLA_BACKEND", "reference")
+    assert bs.resolve(_P()).name == "reference"
+    monkeypatch.setenv("SPARSE_MLA_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="^SPARSE_MLA_BACKEND: expected 'auto' or one of"):
+        bs.resolve(_P())
+
+
+def test_an_override_the_operation_lacks_leaves_auto(monkeypatch):
+    monkeypatch.setenv("SPARSE_MLA_BACKEND", "hopper")  # the indexer and cache writes have none
+    check_backend_override()
+    assert INDEXER_BACKENDS.resolve(_P()).name == INDEXER_BACKENDS.resolve(_P(), "auto").name != "hopper"
+    assert "hopper" not in KVCACHE_BACKENDS.by_name
+
+
+def test_a_backend_that_cannot_serve_says_why(monkeypatch):
+    monkeypatch.delenv("SPARSE_MLA_BACKEND", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # (read per call) CPU tensors without the interpreter
+    for bs in SETS:
+        with pytest.raises(ValueError, match=r"^backend: the 'portable' backend cannot serve this call: it runs CPU"):
+            bs.resolve(_P(), "portable")
+    with pytest.raises(ValueError, match=r"^backend: the 'hopper' backend cannot serve this call: it needs a CUDA"):
+        DECODE_BACKENDS.resolve(_P(), "hopper")
+
+
+def test_cache_writes_take_backend_and_agree(monkeypatch):
+    monkeypatch.delenv("SPARSE_MLA_BACKEND", raising=False)
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(5, 576, generator=g).to(torch.bfloat16)
+    slots = torch.tensor([0, 3, -1, 7, 9])
+    caches = []
+    for backend in ("auto", "reference"):
+        cache = torch.zeros(2, 8, 1, 656, dtype=torch.uint8)
+        flash_mla.quantize_and_store_kv(kv, slots, cache, backend=backend)
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1])
+    with pytest.raises(ValueError, match="^backend: expected 'auto' or one of"):
+        flash_mla.quantize_and_store_kv(kv[:0], slots[:0], caches[0], backend="bogus")  # checked before n == 0
+    abs_idx = torch.tensor([[[0, 5, 17, -1]]], dtype=torch.int32)
+    table = torch.tensor([[2, 0, 1]], dtype=torch.int32)
+    got = [flash_mla.abs_indices_to_kvcache_indices_triton(abs_idx, table, 8, backend=b) for b in ("auto", "reference")]
+    assert torch.equal(got[0], got[1]) and torch.equal(
+        got[1], flash_mla.abs_indices_to_kvcache_indices(abs_idx, table, 8)
+    )
+    with pytest.raises(ValueError, match="^backend: expected 'auto' or one of"):
+        flash_mla.abs_indices_to_kvcache_indices_triton(abs_idx[:, :, :0], table, 8, backend="gluon-ish")
