@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: the whole test suite compiled on CUDA (real shapes in tests/test_gpu.py, the Hopper
-# kernel in tests/test_gluon.py, the serving path in tests/test_serving_gpu.py), then the decode
+# GPU check: the whole test suite compiled on CUDA (real shapes in tests/decode/test_gpu.py, the Hopper
+# kernel in tests/decode/test_gluon.py, the serving path in tests/api/test_serving_gpu.py), then the decode
 # benchmark (BENCH_ARGS, e.g. --quick), the host time of eager calls, the prefill and indexer benchmarks, the store benchmark and
 # serve-sim at DeepSeek-V3.2 size (with random top-k positions, then with the indexer).
 # Run on the device from the repo root; logs and the benchmarks' JSON go to $OUT (or ./gpu_out).
@@ -9,13 +9,13 @@
 #   scripts/gpu_check.sh --indexer [--sweep [paged|prefill|topk]]
 #     instead runs the indexer alone: the offline compile report of its kernels for this GPU's arch
 #     (scripts/indexer_compile_check.py: registers, spills, wgmma/e4m3, cp.async; PTX in
-#     $OUT/indexer_ptx), tests/test_indexer.py, then `python -m benchmarks.indexer --quick`; with
+#     $OUT/indexer_ptx), tests/indexer/test_indexer.py, then `python -m benchmarks.indexer --quick`; with
 #     --sweep also the launch-parameter sweep (benchmarks/indexer_sweep.py; several minutes per
 #     kernel: name one to stay inside a 10-minute call).
 #
 #   scripts/gpu_check.sh --memcheck [pytest args]
 #     instead runs the small-shape kernel tests (every kernel, the view and corner cases of
-#     tests/test_contract_edges.py included) under `compute-sanitizer --tool memcheck`, with
+#     tests/api/test_contract_edges.py included) under `compute-sanitizer --tool memcheck`, with
 #     PyTorch's caching allocator off so that an access past a tensor is past its allocation;
 #     fails on any memcheck error. Log: $OUT/memcheck.log.
 #
@@ -32,7 +32,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ "${1:-}" = "--indexer" ]; then
     arch=$(python3 -c "import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)")
     python3 scripts/indexer_compile_check.py --arch "$arch" --dump "$OUT/indexer_ptx" 2>&1 | tee "$OUT/indexer_compile.log"
-    python3 -m pytest -q -p no:cacheprovider tests/test_indexer.py 2>&1 | tee "$OUT/pytest_indexer.log" | tail -25
+    python3 -m pytest -q -p no:cacheprovider tests/indexer/test_indexer.py 2>&1 | tee "$OUT/pytest_indexer.log" | tail -25
     status=${PIPESTATUS[0]}
     python3 -m benchmarks.indexer --quick --json "$OUT/bench_indexer.json" 2>&1 | tee "$OUT/bench_indexer.log"
     if [ "${2:-}" = "--sweep" ]; then
@@ -45,14 +45,14 @@ fi
 if [ "${1:-}" = "--memcheck" ]; then
     shift
     # small shapes only: memcheck slows every kernel by 10-100x
-    tests=(tests/test_contract_edges.py tests/test_workspace.py tests/test_kernels.py tests/test_store_kv.py tests/test_index_convert.py
-           tests/test_library.py "tests/test_gluon.py::test_partial_head_tile" "tests/test_gluon.py::test_topk_length_sink_nan"
-           "tests/test_gluon.py::test_lonely_rows_all_invalid" "tests/test_gluon.py::test_odd_page_block_size"
-           "tests/test_gluon.py::test_extra_cache" "tests/test_gluon.py::test_model1_partial_head_tile_and_odd_pages"
-           "tests/test_prefill.py::test_corner_cases" "tests/test_prefill.py::test_hopper_bf16_rows_at_every_alignment"
-           "tests/test_indexer.py::test_paged_logits_tensor_memory_path" "tests/test_indexer.py::test_paged_logits_corner_cases"
-           "tests/test_indexer.py::test_nan_in_unused_cache_slots_never_reaches_the_logits"
-           "tests/test_indexer.py::test_topk_register_path_every_phase" "tests/test_indexer.py::test_topk_random_rows_with_ties_match_twin")
+    tests=(tests/api/test_contract_edges.py tests/decode/test_workspace.py tests/decode/test_kernels.py tests/kvcache/test_store_kv.py tests/kvcache/test_index_convert.py
+           tests/api/test_library.py "tests/decode/test_gluon.py::test_partial_head_tile" "tests/decode/test_gluon.py::test_topk_length_sink_nan"
+           "tests/decode/test_gluon.py::test_lonely_rows_all_invalid" "tests/decode/test_gluon.py::test_odd_page_block_size"
+           "tests/decode/test_gluon.py::test_extra_cache" "tests/decode/test_gluon.py::test_model1_partial_head_tile_and_odd_pages"
+           "tests/prefill/test_prefill.py::test_corner_cases" "tests/prefill/test_prefill.py::test_hopper_bf16_rows_at_every_alignment"
+           "tests/indexer/test_indexer.py::test_paged_logits_tensor_memory_path" "tests/indexer/test_indexer.py::test_paged_logits_corner_cases"
+           "tests/indexer/test_indexer.py::test_nan_in_unused_cache_slots_never_reaches_the_logits"
+           "tests/indexer/test_indexer.py::test_topk_register_path_every_phase" "tests/indexer/test_indexer.py::test_topk_random_rows_with_ties_match_twin")
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
         python3 -m pytest -q -p no:cacheprovider -p no:xdist "${tests[@]}" "${@}" 2>&1 | tee "$OUT/memcheck.log" | tail -25
     status=${PIPESTATUS[0]}

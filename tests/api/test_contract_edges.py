@@ -25,7 +25,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 KERNELS = ON_GPU or os.environ.get("TRITON_INTERPRET", "0") == "1"
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="kernels need a GPU or TRITON_INTERPRET=1")
 INF, NAN = float("inf"), float("nan")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def to_dev(p):
@@ -425,7 +425,7 @@ def test_plain_pytest_runs_the_kernels_on_a_cpu():
             "no:cacheprovider",
             "-p",
             "no:xdist",
-            os.path.join(ROOT, "tests", "test_kernels.py") + "::test_lonely_queries",
+            os.path.join(ROOT, "tests", "decode", "test_kernels.py") + "::test_lonely_queries",
         ],
         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
         capture_output=True,

@@ -14,7 +14,7 @@ import torch
 
 from sparse_mla.tools import cli, common
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str, env_update: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -94,7 +94,7 @@ def test_tma_gather_kernel_compiles_for_hopper():
     # process without the interpreter): two copies a record, each loader warp's 32 issued with no
     # CTA barrier between them (barriers only where one loader's code ends and the next one's
     # begins), a ring of four 48 KB stages within the 227 KB of shared memory
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), root, env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", _COMPILE_TMA], capture_output=True, text=True, env=env, timeout=600)

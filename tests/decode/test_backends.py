@@ -23,7 +23,7 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 KERNELS = ON_GPU or os.environ.get("TRITON_INTERPRET", "0") == "1"
 HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def problem(layout="V32", h_q=16, seed=0, **kw):
