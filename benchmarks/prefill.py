@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--hopper-config",
         default="",
-        help="KEY=V,... HopperConfig fields for the Hopper route (e.g. profile=2: the consumers alone); default: the library's",
+        help="KEY=V,... HopperConfig fields for the Hopper route (e.g. narrow_staged_out=1); default: the library's",
     )
     args = ap.parse_args(argv)
     set_hopper_default(args.hopper_config)

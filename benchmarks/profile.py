@@ -3,8 +3,8 @@ each kernel's GPU time per call (torch.profiler: decode kernel vs combine kernel
 
     ncu --clock-control none -k regex:gluon --launch-skip 2 --launch-count 1 \\
         python3 -m benchmarks.profile --b 64 --h-q 128
-    python3 -m benchmarks.profile --b 1 --s-q 1 --breakdown [--backend portable] [--profile-mode 1]
-        [--smem-carveout 0] [--hopper-config half_stages=1,raw_slots=2]
+    python3 -m benchmarks.profile --b 1 --s-q 1 --breakdown [--backend portable]
+        [--smem-carveout 0] [--hopper-config half_stages=1,pv_regs=152]
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--d-qk", type=int, default=576)
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--profile-mode", type=int, default=0, help="HopperConfig.profile (hopper backend only)")
     ap.add_argument(
         "--smem-carveout",
         type=int,
@@ -52,7 +51,7 @@ def main(argv=None) -> int:
     config = None
     if hopper:
         extra = parse_variant(f"cli=hopper:{a.hopper_config}")[2] if a.hopper_config else HopperConfig()
-        config = dataclasses.replace(extra, profile=a.profile_mode, smem_carveout=a.smem_carveout)
+        config = dataclasses.replace(extra, smem_carveout=a.smem_carveout)
     launch = get_backend(plan.backend.name).launch
     print(f"backend {plan.backend.name}, {plan.table.num_sm_parts} partitions")
 

@@ -1,13 +1,13 @@
 """Time kernel variants side by side, in one process: a variant is a backend with a launch config
-(:class:`sparse_mla.decode.kernels.hopper.HopperConfig`, :class:`sparse_mla.decode.kernels.portable.PortableConfig`),
-including the Hopper kernel's profiling modes (producer alone, consumer alone, gathers of one
-cache-resident token). A variant marked ``check`` is first compared with the fp32 reference on
-small shapes (split and unsplit schedules) and reported FAIL if it misses FlashMLA's tolerances.
+(:class:`sparse_mla.decode.kernels.hopper.HopperConfig`, :class:`sparse_mla.decode.kernels.portable.PortableConfig`).
+A variant marked ``check`` is first compared with the fp32 reference on small shapes (split and
+unsplit schedules) and reported FAIL if it misses FlashMLA's tolerances.
 
     python -m benchmarks.variants [--set small_heads] [--only b=64,h_q=128] [--variant NAME=BACKEND:KEY=V,KEY=V[:check]] ... [--graph] [--full]
 
-Without ``--variant`` a built-in list runs (the Hopper kernel's profiling modes, and the portable
-kernel at two block sizes); e.g. ``--variant regs120=hopper:producer_regs=120:check``.
+Without ``--variant`` a built-in list runs (the Hopper kernel with its defaults and with the 64-head
+tiles' 32-token ring stages forced on and off, and the portable kernel at two block sizes); e.g.
+``--variant regs120=hopper:producer_regs=120:check``.
 """
 
 from __future__ import annotations
@@ -21,12 +21,7 @@ import torch
 
 import sparse_mla as flash_mla
 from sparse_mla.decode import get_backend
-from sparse_mla.decode.kernels.hopper import (
-    PROFILE_CACHED_TOKEN,
-    PROFILE_CONSUMER_ONLY,
-    PROFILE_PRODUCER_ONLY,
-    HopperConfig,
-)
+from sparse_mla.decode.kernels.hopper import HopperConfig
 from sparse_mla.decode.kernels.portable import PortableConfig
 from sparse_mla.decode.plan import plan_decode
 from sparse_mla.decode.problem import validate_sparse_decode
@@ -38,9 +33,8 @@ from . import harness
 CONFIGS = {"hopper": HopperConfig, "portable": PortableConfig}
 DEFAULT = [
     ("hopper", "hopper", HopperConfig(), True),
-    ("hopper producer-only", "hopper", HopperConfig(profile=PROFILE_PRODUCER_ONLY), False),
-    ("hopper consumer-only", "hopper", HopperConfig(profile=PROFILE_CONSUMER_ONLY), False),
-    ("hopper cached-token", "hopper", HopperConfig(profile=PROFILE_CACHED_TOKEN), False),
+    ("hopper half_stages=1", "hopper", HopperConfig(half_stages=True), True),
+    ("hopper half_stages=0", "hopper", HopperConfig(half_stages=False), True),
     ("portable", "portable", PortableConfig(), True),
     ("portable block_n=32", "portable", PortableConfig(block_n=32), True),
 ]

@@ -36,6 +36,20 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from sparse_mla.decode.kernels import hopper as sdg
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+# the kernel's tuple arguments, element by element (names as in the launcher's packing)
+TUPLES = {
+    "q": ("q_ptr", "stride_qb", "stride_qs", "stride_qh"),
+    "cache": ("kv_ptr", "stride_blk", "stride_tok", "num_tokens", "pbs"),
+    "sel": ("idx_ptr", "stride_ib", "stride_is", "stride_it", "topk", "topk_len_ptr"),
+    "xcache": ("xkv_ptr", "x_stride_blk", "x_num_tokens", "x_pbs"),
+    "xsel": ("xidx_ptr", "x_stride_ib", "x_stride_is", "x_stride_it", "x_topk", "x_len_ptr"),
+    "sched": ("meta_ptr", "nsplit_ptr", "mainblk_ptr", "nblk_ptr"),
+    "out": ("out_ptr", "stride_ob", "stride_os", "stride_oh"),
+    "lse": ("lse_ptr", "stride_lb", "stride_lh", "stride_ls"),
+    "o_acc": ("oacc_ptr", "stride_ar", "stride_as", "stride_ah"),
+    "lse_acc": ("lacc_ptr", "stride_lr", "stride_lsq"),
+    "max_logits": ("ml_ptr", "stride_mlb", "stride_mlh"),
+}
 PTRS = {
     "q_ptr": "*bf16",
     "kv_ptr": "*u8",
@@ -89,7 +103,6 @@ def compile_kernel(
     max_logits: bool = False,
     pv_regs: int = sdg.HopperConfig().pv_regs,
     producer_warps: int | None = None,
-    profile: int = 0,
     half_stages: bool = False,
     narrow_rowsum: bool | None = None,
     narrow_staged_out: bool | None = None,
@@ -109,7 +122,6 @@ def compile_kernel(
         ALIGN=align,
         PRODUCER_WARPS=default_producer_warps(heads) if producer_warps is None else producer_warps,
         PRODUCER_REGS=producer_regs,
-        PROFILE=profile,
         HEADS=heads,
         PV_REGS=pv_regs,
         HALF_STAGES=half_stages,
@@ -117,20 +129,24 @@ def compile_kernel(
         NARROW_STAGED=sdg.resolve_narrow_staged_out(narrow_staged_out, heads, bf16_kv, max_logits or bf16_kv),
     )
     ptrs = dict(PTRS, kv_ptr="*bf16") if bf16_kv else PTRS
-    sig = {}
-    for n in names:
-        if n in ptrs:
-            sig[n] = ptrs[n]
-        elif n in consts:
-            sig[n] = "constexpr"
-        elif n == "scale_log2":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    div16 = [n for n in names if n in ptrs or (n.startswith("stride") and n not in UNIT)]
+    div16 = {n for n in ptrs} | {n for t in TUPLES.values() for n in t if n.startswith("stride") and n not in UNIT}
     if align < 16:  # bf16 rows whose addresses are not 16-byte aligned (a 2-byte aligned base pointer at 2)
-        div16 = [n for n in div16 if n not in (("kv_ptr", "stride_blk") if align < 4 else ("stride_blk",))]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+        div16 -= {"kv_ptr", "stride_blk"} if align < 4 else {"stride_blk"}
+
+    def ty(n: str) -> str:
+        return ptrs[n] if n in ptrs else "fp32" if n == "scale_log2" else "i32"
+
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in TUPLES:
+            sig[n] = tuple(ty(e) for e in TUPLES[n])
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j, e in enumerate(TUPLES[n]) if e in div16})
+        else:
+            sig[n] = ty(n)
+            if n in div16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     src = GluonASTSource(
         fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs
     )
@@ -199,9 +215,6 @@ def main() -> int:
     ap.add_argument("--producer-warps", type=int, default=None, help="warps of each producer partition")
     ap.add_argument("--half-stages", action="store_true", help="64-head tiles: three 32-token ring stages")
     ap.add_argument(
-        "--profile", type=int, default=0, help="HopperConfig.profile (1: producer alone, 2: consumer alone)"
-    )
-    ap.add_argument(
         "--narrow-rowsum", type=int, default=None, choices=(0, 1), help="16/32-head tiles: row sums once a request"
     )
     ap.add_argument(
@@ -238,7 +251,6 @@ def main() -> int:
         max_logits=a.max_logits,
         pv_regs=a.pv_regs,
         producer_warps=a.producer_warps,
-        profile=a.profile,
         half_stages=a.half_stages,
         narrow_rowsum=None if a.narrow_rowsum is None else bool(a.narrow_rowsum),
         narrow_staged_out=None if a.narrow_staged_out is None else bool(a.narrow_staged_out),
