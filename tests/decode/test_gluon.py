@@ -249,19 +249,6 @@ def test_smem_carveout_hint_keeps_results(h_q, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["V32", "MODEL1"])
-def test_l2_store_probe_keeps_outputs(layout, monkeypatch):
-    # PROFILE_L2_STORE (the producer also stores half of every converted tile to a scratch of its
-    # own, to time those stores): the outputs stay the kernel's
-    from sparse_mla.decode.kernels import hopper
-
-    cfg = dataclasses.replace(hopper._DEFAULT_CONFIG, profile=hopper.PROFILE_L2_STORE, half_stages=False)
-    monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", cfg)
-    q, kc, idx, kw = make_case(3, 2, 128, topk=448, seed=7, layout=layout, sink=True)
-    check(q, kc, idx, None, **kw)
-    check(q, kc, idx, 4, **kw)
-
-
-@pytest.mark.parametrize("layout", ["V32", "MODEL1"])
 @pytest.mark.parametrize("num_sms", [None, 4])
 @pytest.mark.parametrize("h_q", [64, 128, 100])
 def test_half_stages(layout, num_sms, h_q, monkeypatch):
@@ -308,7 +295,7 @@ def test_narrow_config_both_ways(layout, field, value, h_q, monkeypatch):
         assert torch.isfinite(out.float()).all() and torch.isposinf(lse[3]).all()
 
 
-# ------------------------------------------------- issue 11 §4: MODEL1 / V3.2 with lengths, 64-head tiles
+# ------------------------------------------------- MODEL1 / V3.2 with lengths, 64-head tiles
 
 
 def _n_tokens(cache):
