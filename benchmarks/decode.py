@@ -9,7 +9,7 @@ bf16-matmul and device-copy ceilings, the backend that ran (the dispatcher's cho
 benchmarks/results/.
 
 Sets: ``default`` (:data:`~benchmarks.harness.DECODE_SHAPES`, the production shapes) and
-``small_heads`` (:data:`~benchmarks.harness.SMALL_HEAD_SHAPES`, issue 12's table: h_q 8/16/32/64
+``small_heads`` (:data:`~benchmarks.harness.SMALL_HEAD_SHAPES`, the small-head table: h_q 8/16/32/64
 by b 2/64/128, and MODEL1 at h_q 16/32). FlashMLA has no sparse decode kernel below 64 heads, so an
 engine pads a small slice to 64: the small_heads table compares with FlashMLA's time at h_q = 64,
 and says so in its header.
@@ -108,7 +108,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def print_small_heads_table(rows: list[dict]) -> None:
-    """Issue 12's table: µs, GB/s on the unique gathered cache bytes and their share of the
+    """The small-head table: µs, GB/s on the unique gathered cache bytes and their share of the
     device copy, and FlashMLA's time at 64 heads (what a slice of fewer heads pays padded to 64)."""
     print("us = min(eager call, CUDA-graph replay); eager includes Python launch overhead")
     print("cache GB/s = unique gathered cache bytes (distinct tokens x bytes/token) / us; %copy = its share of the")
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         "--set",
         default="default",
         choices=sorted(harness.SHAPE_SETS),
-        help="row set: the production shapes (default) or issue 12's small head counts (small_heads)",
+        help="row set: the production shapes (default) or the small head counts of tensor-parallel slices (small_heads)",
     )
     ap.add_argument("--list", action="store_true", help="print the selected rows and exit (no device needed)")
     ap.add_argument("--only", help="shape filters k=v,k=v (all must match); several separated by ';'")

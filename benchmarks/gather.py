@@ -4,7 +4,7 @@ read the gathered tokens can go, on the same cache and the same index sets as a 
     python -m benchmarks.gather [--quick] [--only b=128,h_q=16] [--tma STAGES] [--json PATH]
 
 The sparse decode reads, per query token, ``topk`` whole cache records (656 bytes for V32, 584 for
-MODEL1) at random slots of its request's pages. Issue 12 asks for >= 75 % of the device-copy
+MODEL1) at random slots of its request's pages. The decode's target is >= 75 % of the device-copy
 bandwidth on those bytes; this measures what a gather alone reaches, so a decode row's GB/s can be
 read against both ceilings (the copy's and the gather's). The kernel (``_gather_max_kernel``) loads
 each indexed record as int32 words (16-byte vectors, 64 records a program, many programs a SM, no

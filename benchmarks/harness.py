@@ -91,7 +91,7 @@ def _padded(us: float | None, h_q: int) -> dict:
     return dict(flashmla_us=us, flashmla_heads=64 if us is not None and h_q < 64 else None)
 
 
-#: Issue 12's table, small head counts (tensor-parallel slices): V3.2 at h_q 8/16/32/64 by b 2/64/128
+#: The small-head table, small head counts (tensor-parallel slices): V3.2 at h_q 8/16/32/64 by b 2/64/128
 #: (s_q 2, topk 2048, 32K contexts), and MODEL1's production shapes at h_q 16/32 (16K-token caches in
 #: 256-token pages, topk 128 plus an extra cache of 512 indices, FlashMLA's h_q = 64 row, and of
 #: 1024, the h_q = 128 row's extra). ``python -m benchmarks.decode --set small_heads``.

@@ -1,6 +1,6 @@
 """Byte-level helpers of the serving-path tests: where a token's bytes live in a paged FP8 cache.
 
-Written from DESIGN §4 directly (not from the library's code), so that they can judge it:
+Written from docs/design.md §4 directly (not from the library's code), so that they can judge it:
 
 * V32: a token's 656-byte record starts at ``block * stride(0) + offset * stride(1)``;
 * MODEL1: its 576-byte ``[nope | rope]`` record at ``block * stride(0) + offset * 576`` and its 8

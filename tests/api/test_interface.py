@@ -1,4 +1,4 @@
-"""FlashMLA-compatible API (src/sparse_mla/interface.py; DESIGN §3): validation, scheduler reuse,
+"""FlashMLA-compatible API (``sparse_mla.api``; docs/design.md §3): validation, scheduler reuse,
 output contract and agreement with the reference.
 
 Agreement tests run the PyTorch path (``TRITON_INTERPRET=0``) always, and the Triton kernels too
@@ -87,7 +87,7 @@ def test_get_mla_metadata_returns_empty_meta_and_none():
 
 
 def test_seed_schedule_through_api(monkeypatch):
-    """b=2, topk=128, h_q=128, 132 SMs: the seed's table (66 partitions, num_splits [0, 2, 4])."""
+    """b=2, topk=128, h_q=128, 132 SMs: the walkthrough's table (66 partitions, num_splits [0, 2, 4])."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     p = make_problem(b=2, s_q=1, h_q=128, topk=128, layout="V32", num_blocks=4, seed=1)
     meta, _ = flash_mla.get_mla_metadata(num_sms=132)

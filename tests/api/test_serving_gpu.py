@@ -221,7 +221,7 @@ def test_cuda_graph_of_ops_step(layout):
     def refill(seed):
         g = torch.Generator(device=DEV).manual_seed(seed)
         # O(1) values: the decode below attends these tokens, and random_tokens' 10^3 magnitudes
-        # would put bf16 P·V rounding above DESIGN §6's elementwise bound (helpers.random_latent_k)
+        # would put bf16 P·V rounding above docs/design.md §6's elementwise bound (helpers.random_latent_k)
         kv.copy_((torch.randn(b, lay.d_qk, device=DEV, generator=g) * 0.3).to(torch.bfloat16))
         slots.copy_(torch.randperm(kc.shape[0] * pbs, device=DEV, generator=g)[:b])
         pos.copy_(torch.rand(b, ctx, device=DEV, generator=g).argsort(dim=1)[:, :topk].view(b, 1, topk))

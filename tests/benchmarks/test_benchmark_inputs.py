@@ -1,6 +1,6 @@
 """The benchmarks time what their rows say: ``benchmarks.variants`` validates each index set with
-everything the row's call takes (session 15 found it dropping the extra cache and the lengths, so
-its MODEL1 rows timed the main cache alone). CPU, small shapes."""
+everything the row's call takes (a check that dropped the extra cache and the lengths would let
+MODEL1 rows time the main cache alone). CPU, small shapes."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Tensors the serving kernels cannot read or write as stored are refused by name (found by a
-fresh-user attack, session 11): lazily negated views (the kernels read the raw bits), storage
+"""Tensors the serving kernels cannot read or write as stored are refused by name: lazily negated views (the kernels read the raw bits), storage
 shrunk under a view (reads and writes past it), expanded output buffers, and outputs that overlap
 the inputs. Pure argument checks: they run before any kernel, on the CPU."""
 

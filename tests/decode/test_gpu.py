@@ -1,4 +1,4 @@
-"""Real-shape checks on a CUDA device (skipped without one): the issue's GPU check list.
+"""Real-shape checks on a CUDA device (skipped without one).
 
 DeepSeek-V3.2 shapes (topk 2048, 32K-token contexts of varied length in one paged cache),
 MODEL1 shapes with an extra cache, odd page sizes, CUDA-graph capture and replay.

@@ -1,4 +1,4 @@
-"""The host path of repeated eager decode calls: launches replayed from a recipe (issue 13).
+"""The host path of repeated eager decode calls: launches replayed from a recipe.
 
 A scheduler object's cache entry (one per call geometry) keeps a
 :class:`~sparse_mla.core.launcher.Replay` of its launches; a repeated call with the same

@@ -3,7 +3,7 @@
 On a machine without a GPU these run under the Triton interpreter (``TRITON_INTERPRET=1``, set
 before Python starts) at small shapes; with CUDA they run compiled on the GPU. Every test draws
 fresh random inputs and compares with :func:`sparse_mla.reference.sparse_decode_reference`
-within DESIGN §6's tolerances.
+within docs/design.md §6's tolerances.
 """
 
 from __future__ import annotations

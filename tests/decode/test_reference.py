@@ -1,5 +1,5 @@
 """The fp32 reference (src/sparse_mla/reference.py): direct path vs an independent naive loop,
-split-KV path vs direct path, combine arithmetic and the seed's numeric examples."""
+split-KV path vs direct path, combine arithmetic and the walkthrough's numeric examples."""
 
 from __future__ import annotations
 
@@ -272,21 +272,21 @@ def test_nan_in_unindexed_slots_never_leaks(layout):
     assert torch.equal(s_out, clean_split[0]) and torch.equal(s_lse, clean_split[1])
 
 
-# ------------------------------------------------------------------ combine and the seed's numbers
+# ------------------------------------------------------------------ combine and the walkthrough's numbers
 
 
 def test_seed_combine_example():
-    """Seed step 16: split LSEs (log2 space) 4.2, 3.8, 2.1.
+    """The walkthrough's step 16: split LSEs (log2 space) 4.2, 3.8, 2.1.
 
-    The seed writes the weights as 1.0, 0.7579, 0.1353 and their sum as 1.8932, but
+    The walkthrough writes the weights as 1.0, 0.7579, 0.1353 and their sum as 1.8932, but
     0.1353 = e^-2 is an arithmetic slip: the third weight is exp2(2.1 - 4.2) = 2^-2.1 = 0.2333,
-    so the sum is 1.9912. The first two of the seed's numbers are right.
+    so the sum is 1.9912. The first two of its numbers are right.
     """
     w, tot = combine_weights(torch.tensor([4.2, 3.8, 2.1]))
     assert w[0].item() == 1.0
-    assert w[1].item() == pytest.approx(0.7579, abs=5e-5)  # the seed's value
+    assert w[1].item() == pytest.approx(0.7579, abs=5e-5)  # the walkthrough's value
     assert w[2].item() == pytest.approx(0.2333, abs=5e-5)
-    assert w[2].item() != pytest.approx(0.1353, abs=1e-2)  # the seed's erroneous value
+    assert w[2].item() != pytest.approx(0.1353, abs=1e-2)  # the walkthrough's erroneous value
     assert tot.item() == pytest.approx(1.9912, abs=1e-4)
     assert tot.item() != pytest.approx(1.8932, abs=1e-2)
     # and the merged output / lse of combine_reference with these three splits
@@ -324,7 +324,7 @@ def test_combine_reference_lonely_and_single_split():
 
 
 def test_seed_no_split_lse_and_sink_example():
-    """Seed steps 13-14: L = 80.7, M = 0.2116 (log2 space) -> lse = ln(80.7) + 0.2116/log2(e) = 4.538;
+    """The walkthrough's steps 13-14: L = 80.7, M = 0.2116 (log2 space) -> lse = ln(80.7) + 0.2116/log2(e) = 4.538;
     sink -2.5 -> o_scale = 1 / (80.7 + 2^(-2.5 log2 e - 0.2116)) = 1 / 80.77."""
     L, M = 80.7, 0.2116
     lse_nat = math.log(L) + M / LOG2E
@@ -359,7 +359,7 @@ def test_model1_value_dims_are_first_512_of_k():
 
 
 def test_check_decode_close_accepts_and_rejects():
-    """helpers.check_decode_close (used by the kernel tests) enforces DESIGN §6."""
+    """helpers.check_decode_close (used by the kernel tests) enforces docs/design.md §6."""
     from helpers import check_decode_close
 
     g = torch.Generator().manual_seed(15)

@@ -1,4 +1,4 @@
-"""Tile scheduler (src/sparse_mla/scheduler.py; DESIGN §5, seed step 3)."""
+"""Tile scheduler (``sparse_mla.decode.scheduler``; docs/design.md §5, the walkthrough's step 3)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def row(begin_req, end_req, begin_block, end_block, begin_split, first, last):
     )
 
 
-# ------------------------------------------------------------------ the seed's example
+# ------------------------------------------------------------------ the walkthrough's example
 
 
 def test_seed_num_sm_parts():
@@ -44,7 +44,7 @@ def test_seed_num_sm_parts():
 
 
 def test_seed_schedule_table():
-    """Seed step 3 (b=2, topk=128, 132 SMs, h_q=128): 66 partitions of payload 6; four busy ones."""
+    """The walkthrough's step 3 (b=2, topk=128, 132 SMs, h_q=128): 66 partitions of payload 6; four busy ones."""
     main, total = batch_num_blocks(2, 128)
     assert main == [2, 2] and total == [2, 2]
     t = schedule(total, compute_num_sm_parts(132, 1, 128))

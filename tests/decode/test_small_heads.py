@@ -1,4 +1,4 @@
-"""The portable decode at small head counts (issue 12: tensor-parallel slices, 1 <= h_q <= 32,
+"""The portable decode at small head counts (tensor-parallel slices, 1 <= h_q <= 32,
 any value) vs the fp32 reference (:func:`sparse_mla.decode.reference.sparse_decode_reference`).
 
 The portable kernel runs 16-head programs for h_q <= 16 and 64-head ones above (heads on the dots'

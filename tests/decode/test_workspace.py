@@ -1,4 +1,4 @@
-"""The split-KV workspace and the caller's output buffers (issue: no per-call workspace).
+"""The split-KV workspace and the caller's output buffers (no workspace allocated per call).
 
 * the scheduler's ``acc_rows``: rows for split batches only, at most 2 per partition;
 * :func:`sparse_mla.decode_workspace_bytes` bounds what any plan holds;
@@ -334,7 +334,7 @@ def test_launch_prepares_the_compiled_kernel_before_its_first_launch(direct, mon
     monkeypatch.setattr(launcher, "_hooks_installed", lambda: False)
     monkeypatch.setattr(launcher, "_CACHE", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 0, raising=False)
+    monkeypatch.setattr(launcher, "_current_stream", lambda dev: 0)
 
     def prepare(c, dev):
         assert c is compiled and dev == 0
@@ -373,7 +373,7 @@ class _NewStorage(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("backend", ["hopper", "portable"])
 def test_repeated_calls_with_out_allocate_no_tensor(backend):
-    """Issue 13's steady state on the CPU: with the kernels' launches stubbed (nothing runs, the
+    """The steady state of repeated eager calls on the CPU: with the kernels' launches stubbed (nothing runs, the
     whole Python path does), 100 repeated calls with ``out=``/``lse=`` create no tensor at all,
     split workspace included; without ``out=`` a call creates exactly its two outputs."""
     if ON_GPU:

@@ -1,4 +1,4 @@
-"""FP8 KV-cache layouts, quantisation and index conversion (src/sparse_mla/kvcache.py; DESIGN §4)."""
+"""FP8 KV-cache layouts, quantisation and index conversion (``sparse_mla.formats``; docs/design.md §4)."""
 
 from __future__ import annotations
 
@@ -71,11 +71,11 @@ def test_get_layout_resolution_and_errors():
         get_layout(5.0)
 
 
-# ------------------------------------------------------------------ the seed's worked example
+# ------------------------------------------------------------------ the walkthrough's worked example
 
 
 def test_seed_worked_quantization_example():
-    """Seed step 4.2: a 128-value tile with max |x| = 0.75 -> scale 2^-9 (0.001953); 0.25 -> e4m3 128.0."""
+    """The walkthrough's step 4.2: a 128-value tile with max |x| = 0.75 -> scale 2^-9 (0.001953); 0.25 -> e4m3 128.0."""
     g = torch.Generator().manual_seed(42)
     k = (torch.rand(1, 1, 1, 576, generator=g) * 1.4 - 0.7).to(torch.bfloat16)  # |x| < 0.7
     k[0, 0, 0, 0] = 0.25

@@ -3,7 +3,7 @@
 Every test pre-fills the whole cache storage with random bytes, writes random bf16 tokens to
 random distinct slots, and compares the *whole storage* with the expected bytes built from
 :func:`sparse_mla.quantize_k_cache` on the same values (``tests/cache_bytes.py`` places
-them by DESIGN §4's offsets), so untouched slots, MODEL1 padding and neighbouring layers of a pool
+them by docs/design.md §4's offsets), so untouched slots, MODEL1 padding and neighbouring layers of a pool
 are checked too. On the CPU the Triton kernel runs in the interpreter (``TRITON_INTERPRET=1``).
 """
 
@@ -134,7 +134,7 @@ def _corner_tokens(d_qk: int, tile: int) -> torch.Tensor:
         tile_with(448.0 * 0.9e-4),  # below the floor
         tile_with(1e-30),  # tiny: everything rounds into e4m3 subnormals / 0
         tile_with(2.0**-120),
-        tile_with(0.75),  # the seed's example: scale 2^-9
+        tile_with(0.75),  # the walkthrough's example: scale 2^-9
         tile_with(3.0e38 / 2),  # huge but finite
         tile_with(1.0, "zero"),  # one value, rest zero
     ]
@@ -184,7 +184,7 @@ def test_store_corner_tiles(layout):
         scales = tb[:, 512:528].contiguous().view(torch.float32)
         assert scales[0].tolist() == [2.0**-13, 2.0**-13, 1.0, 2.0**5]
         assert scales[1].tolist() == [2.0**-7, 2.0**4, 2.0**-13, 2.0**-13]
-        assert scales[2, 2] == 2.0**-9  # amax 0.75 -> 2^-9 (the seed's example)
+        assert scales[2, 2] == 2.0**-9  # amax 0.75 -> 2^-9 (the walkthrough's example)
         assert torch.all(tb[0, 128:256] == 0x80)  # -0.0 keeps its sign
     else:
         assert tb[0, 576:584].tolist() == [127 - 13, 127 - 13, 127, 127 + 5, 127 - 7, 127 + 4, 127 - 13, 0]

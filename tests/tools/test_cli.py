@@ -26,7 +26,7 @@ def _run(*args: str, env_update: dict | None = None, timeout: float = 300) -> su
     )
 
 
-# facts of the seed's worked example that the demo prints from the code
+# facts of the walkthrough's worked example that the demo prints from the code
 SEED_FACTS = [
     "d_qk",
     "576",
@@ -67,7 +67,7 @@ def test_demo_reference_passes_and_prints_the_seed_example(monkeypatch, capsys):
     for fact in SEED_FACTS:
         assert fact in out, f"missing {fact!r} in the demo output:\n{out}"
     assert "PyTorch reference" in out and "PASS" in out
-    # the four busy partitions of the seed's table: begin/end req, begin/end block, split, flags
+    # the four busy partitions of the walkthrough's table: begin/end req, begin/end block, split, flags
     rows = [line.split() for line in out.splitlines() if line.startswith("│") and line.count("│") == 9]
     busy = [[int(x) for x in row if x != "│"] for row in rows if all(x == "│" or x.isdigit() for x in row)]
     assert busy == [

@@ -296,8 +296,8 @@ def _section_decode(console: Console, args: argparse.Namespace, device: torch.de
     import torch
     from rich.table import Table
 
-    import sparse_mla
-
+    from ..api import flash_mla_with_kvcache, get_mla_metadata
+    from ..formats import quantize_k_cache
     from ..reference import sparse_decode_reference, sparse_decode_split_reference
     from ..testing import FLASHMLA_DECODE, cos_diff, decode_closeness
 
@@ -340,14 +340,14 @@ def _section_decode(console: Console, args: argparse.Namespace, device: torch.de
     indices = torch.stack([torch.randperm(n_tok, generator=g)[:topk] for _ in range(b * s_q)])
     indices = indices.view(b, s_q, topk).to(torch.int32)
     q, k_bf16, indices = q.to(device), k_bf16.to(device), indices.to(device)
-    k_cache = sparse_mla.quantize_k_cache(k_bf16, "V32")
+    k_cache = quantize_k_cache(k_bf16, "V32")
     console.print(
         f"q {list(q.shape)} bf16 (randn, seed {args.seed});  k_cache {list(k_cache.shape)} "
         f"{str(k_cache.dtype).replace('torch.', '')} ({SEED_NUM_BLOCKS} blocks, quantize_k_cache of randn bf16);  "
         f"indices {list(indices.shape)} int32, distinct, in [0, {n_tok})"
     )
 
-    sched_meta, _ = sparse_mla.get_mla_metadata(num_sms=SEED_NUM_SMS)
+    sched_meta, _ = get_mla_metadata(num_sms=SEED_NUM_SMS)
     if args.reference and device.type == "cuda":
         # the API always runs the kernels on CUDA: call the reference twin with the same schedule
         console.print(
@@ -363,7 +363,7 @@ def _section_decode(console: Console, args: argparse.Namespace, device: torch.de
         )
         ctx = _env("TRITON_INTERPRET", "0") if (args.reference and device.type == "cpu") else contextlib.nullcontext()
         with ctx, quiet_interpreter():
-            out, lse = sparse_mla.flash_mla_with_kvcache(
+            out, lse = flash_mla_with_kvcache(
                 q,
                 k_cache,
                 None,
@@ -506,11 +506,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    import sparse_mla
+    from .. import __version__
 
     console = _make_console()
     console.print(
-        f"[bold]sparse_mla {sparse_mla.__version__}[/bold] demo: the worked example of FlashMLA's sparse decode "
+        f"[bold]sparse_mla {__version__}[/bold] demo: the worked example of FlashMLA's sparse decode "
         f"walkthrough, end to end  (torch {torch.__version__}, triton {triton_version()})"
     )
     console.print(

@@ -462,9 +462,9 @@ class ServeSim:
 
     def _decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         """4. the sparse decode over ``idx_buf``."""
-        import sparse_mla
+        from ..api import flash_mla_with_kvcache
 
-        return sparse_mla.flash_mla_with_kvcache(
+        return flash_mla_with_kvcache(
             self.q_buf,
             self.k_cache,
             None,
