@@ -270,7 +270,9 @@ def test_a_non_contiguous_topk_length_is_copied_per_call_and_the_copy_passed(log
     _call(p, meta, "hopper", topk_length=strided)
     assert isinstance(_replay_of(meta), launcher.Replay)
     copies = []
-    monkeypatch.setattr(ops, "_dense", lambda t: None if t is None else copies.append(t.contiguous()) or copies[-1])
+    monkeypatch.setattr(
+        ops, "dense_or_none", lambda t: None if t is None else copies.append(t.contiguous()) or copies[-1]
+    )
     got, _ = _launches(log, lambda: _call(p, meta, "hopper", topk_length=strided))
     assert len(copies) == 1 and copies[0].data_ptr() in _pointers(got)
 

@@ -268,8 +268,8 @@ def test_cuda_device_without_cuda_is_an_error():
 
 
 def test_ranges():
-    assert cli._ranges([4, 5, 6, 9, 11, 12]) == "4-6, 9, 11-12"
-    assert cli._ranges([]) == ""
+    assert cli.format_ranges([4, 5, 6, 9, 11, 12]) == "4-6, 9, 11-12"
+    assert cli.format_ranges([]) == ""
 
 
 @pytest.mark.parametrize("command", ["demo", "serve-sim"])

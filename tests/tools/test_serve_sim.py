@@ -285,10 +285,10 @@ def test_sizes_beyond_the_machine_are_refused_before_any_allocation(monkeypatch)
     cfg = ServeSimConfig(batch=4, max_context=512, steps=2, topk=64, h_q=16, page_block_size=64)
     host, dev = ServeSim(cfg, "cpu").memory_estimate()
     assert dev >= 4 * (512 // 64) * 64 * 656  # at least the paged V32 cache
-    monkeypatch.setattr(serve_sim, "_available_host_bytes", lambda: host + dev - 1)
+    monkeypatch.setattr(serve_sim, "available_host_bytes", lambda: host + dev - 1)
     with pytest.raises(MemoryError, match="host memory"):
         ServeSim(cfg, "cpu")
-    monkeypatch.setattr(serve_sim, "_available_host_bytes", lambda: host + dev)
+    monkeypatch.setattr(serve_sim, "available_host_bytes", lambda: host + dev)
     ServeSim(cfg, "cpu")  # exactly enough: accepted
 
 
@@ -310,15 +310,15 @@ def test_the_memory_check_reads_a_container_limit_and_counts_the_cpu_gather(monk
         return real_open(path, *a, **k)
 
     monkeypatch.setattr(builtins, "open", fake_open)
-    avail = serve_sim._available_host_bytes()
+    avail = serve_sim.available_host_bytes()
     assert avail is not None and avail <= 512 * 2**20  # the container's 1 GiB limit less its 0.5 GiB use
     files["/sys/fs/cgroup/memory.max"] = "max\n"
-    assert serve_sim._available_host_bytes() > 512 * 2**20 or serve_sim._available_host_bytes() is None
+    assert serve_sim.available_host_bytes() > 512 * 2**20 or serve_sim.available_host_bytes() is None
     monkeypatch.setattr(builtins, "open", real_open)
     small = ServeSimConfig(batch=2, max_context=4096, steps=1, topk=64, h_q=1, page_block_size=64)
     huge = ServeSimConfig(batch=2, max_context=4096, steps=1, topk=4_000_000, h_q=1, page_block_size=64)
     fits = sum(ServeSim(small, "cpu").memory_estimate())
-    monkeypatch.setattr(serve_sim, "_available_host_bytes", lambda: fits + 2 * 4_000_000 * 576 * 4 - 1)
+    monkeypatch.setattr(serve_sim, "available_host_bytes", lambda: fits + 2 * 4_000_000 * 576 * 4 - 1)
     ServeSim(small, "cpu")
     with pytest.raises(MemoryError, match="host memory"):
         ServeSim(huge, "cpu")  # (before: prefill ran, then the decode asked for 42 GB)

@@ -34,7 +34,7 @@ from .problem import (
 if TYPE_CHECKING:  # importing the launcher imports Triton
     from ..core.launcher import Replay
 
-__all__ = ["decode", "sparse_decode", "CallCache"]
+__all__ = ["decode", "sparse_decode", "CallCache", "dense_or_none"]
 
 
 @dataclasses.dataclass
@@ -120,7 +120,7 @@ def decode(
         if cached.out_spans is not None:
             check_outputs_apart(tuple(fields.values()), cached.out_spans)
         for name in _VECTOR_FIELDS:
-            fields[name] = _dense(fields[name])
+            fields[name] = dense_or_none(fields[name])
         if cached.replay:
             done = _replay(cached.replay, q, fields)
             if done is not None:
@@ -264,7 +264,7 @@ def _inside_storage(tensors: tuple, ranges: tuple) -> bool:
 _PLAIN_SCALARS = (int, float, bool, str, type(None))
 
 
-def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+def dense_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
     """A 1-D argument as the validator returns it (contiguous; a copy for a view, on the device)."""
     return None if t is None else t.contiguous()
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from rich.console import Console
 
-__all__ = ["main", "build_parser", "COMMANDS"]
+__all__ = ["main", "build_parser", "COMMANDS", "format_ranges"]
 
 # the walkthrough's worked example (docs/design.md: section 5, walkthrough steps 0-3)
 SEED_B, SEED_S_Q, SEED_H_Q, SEED_TOPK, SEED_PAGE_BLOCK = 2, 1, 128, 128, 64
@@ -89,7 +89,7 @@ def _pow2(x: float) -> str:
     return f"2^{e - 1}" if m == 0.5 else f"{x:g}"
 
 
-def _ranges(ids: Sequence[int]) -> str:
+def format_ranges(ids: Sequence[int]) -> str:
     """``[4, 5, 6, 9]`` -> ``"4-6, 9"``."""
     out: list[str] = []
     start = prev = None
@@ -280,7 +280,7 @@ def _section_schedule(console: Console) -> Any:
         t.add_row(str(i), *(str(row[f]) for f in fields))
     console.print(t)
     console.print(
-        f"partitions {_ranges(idle)} idle (begin_req = b = {b});  num_splits = {table.num_splits.tolist()}"
+        f"partitions {format_ranges(idle)} idle (begin_req = b = {b});  num_splits = {table.num_splits.tolist()}"
         "  (batch i's partial results: rows num_splits\\[i] .. num_splits\\[i+1]-1)"
     )
     split = [i for i in range(b) if table.num_splits[i + 1] - table.num_splits[i] > 1]

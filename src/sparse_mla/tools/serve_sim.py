@@ -58,6 +58,7 @@ from ..formats import get_layout, quantize_k_cache
 __all__ = [
     "ServeSimConfig",
     "ServeSim",
+    "available_host_bytes",
     "default_config",
     "add_arguments",
     "cli_main",
@@ -181,7 +182,7 @@ class StepTimes:
         return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def _available_host_bytes() -> int | None:
+def available_host_bytes() -> int | None:
     """The host memory this process may still use: ``MemAvailable`` of ``/proc/meminfo``
     (reclaimable page cache counts; else the physical memory), less where a cgroup (a container)
     limits it below that; None where none of them can be read."""
@@ -233,7 +234,7 @@ def _check_fits(host: int, dev: int, device: torch.device) -> None:
             raise MemoryError(f"needs at least {dev / gib:.2f} GiB on cuda:{index}, {free / gib:.2f} GiB free")
     else:
         host += dev
-    avail = _available_host_bytes()
+    avail = available_host_bytes()
     if avail is not None and host > avail:
         raise MemoryError(f"needs at least {host / gib:.2f} GiB of host memory, {avail / gib:.2f} GiB available")
 
