@@ -1,5 +1,6 @@
 """Launch-parameter sweep of the indexer kernels on the benchmark shapes (one GPU run picks the
-defaults in ``sparse_mla.indexer.kernels``: ``PAGED_CONFIG``, ``PREFILL_CONFIG``, ``TOPK_CONFIG``).
+defaults in ``sparse_mla.indexer.kernels``: ``PAGED_CONFIG``, ``PREFILL_CONFIG``, ``TOPK_CONFIG``;
+each config is passed to the launcher as ``config``, the fields it changes).
 
 Each config's result is checked against the default config's (same logits bits up to fp32
 summation order: max |diff| printed; the top-k must be identical), then timed; configs that fail
@@ -67,7 +68,7 @@ def sweep_paged(quick: bool, rows: list, pointer_grid: bool = True) -> None:
     if K.tma_supported(cache.device):
         configs += [
             dict(tma=True, tma_stages=stages, tma_maxnreg=reg, tma_progs_per_sm=pps, num_warps=warps)
-            for stages, reg, pps, warps in itertools.product((6, 8), (None, 128, 168), (6, 8, 12), (4,))
+            for stages, reg, pps, warps in itertools.product((6, 8), (0, 128, 168), (6, 8, 12), (4,))
         ]
     for cfg in configs:
         _run(
@@ -108,60 +109,36 @@ def sweep_prefill(quick: bool, rows: list) -> None:
 
 def sweep_topk(quick: bool, rows: list, match: str | None = None) -> None:
     """The top-k configs below on 256 rows of 32K, k 2048 (``match``: only those whose text contains
-    it, after the default register path as the baseline of the same run)."""
+    it, after the default config as the baseline of the same run)."""
     n_rows, n, k = 256, 32768, 2048
     x = torch.randn(n_rows, n, device="cuda")
     lo = torch.zeros(n_rows, dtype=torch.int64, device="cuda")
     hi = torch.full((n_rows,), n, dtype=torch.int64, device="cuda")
     ref = flash_mla.topk_indices(x, k)
     out = torch.empty(n_rows, k, dtype=torch.int32, device="cuda")
-    # the single-kernel select (compact 0) by digit width, block and warps
     # the register path (rows of up to `bisect` entries: the k-th key's top bits, a list, the rest on
-    # it), by warps and list capacity, with 16-byte row loads (an experiment), and its timing stops
-    # (profile 4: the load alone; 1: load and top bits; 2: + the list; 3: + the list's bits and tie
-    # cut), each with the top bits two keys a register (the default) and 32-bit
-    configs = [dict(bisect=32768, bisect_warps=w) for w in (8, 16, 32)]
-    configs += [dict(bisect=32768, bisect_pack16=False)]
-    configs += [dict(bisect=32768, bisect_pack16=False, profile=p) for p in (1, 2, 3)]
-    configs += [dict(bisect=32768, profile=4)]
-    configs += [dict(bisect=32768, bisect_cap=c) for c in (1, 4)]
-    configs += [dict(bisect=32768, bisect_vec_load=True)]
-    # two rows an SM: a 64-register cap (512 threads x 64 = half the register file; spills offline);
-    # 72 still holds one row an SM: the spills' cost alone, for comparison
-    configs += [dict(bisect=32768, bisect_maxnreg=m) for m in (64, 72)]
-    configs += [dict(bisect=32768, profile=p) for p in (1, 2, 3)]
-    configs += [dict(bisect=32768, bisect_vec_load=True, profile=p) for p in (1, 2)]
+    # it), by warps and list capacity
+    configs = [dict(bisect=32768, split=0, bisect_warps=w) for w in (8, 16, 32)]
+    configs += [dict(bisect=32768, split=0, bisect_cap=c) for c in (1, 4)]
+    # the split path (the default for rows of 8192 to 32768 entries), by chunk and list warps
+    configs += [dict(split_chunk=c, split_warps=w) for c, w in ((2048, 4), (4096, 8), (8192, 8))]
+    configs += [dict(split_list_warps=w) for w in (8, 16)]
+    # the radix select (longer rows; here forced with bisect 0): histograms and split over (rows,
+    # segments) programs, then the candidate list
     configs += [
-        dict(bits=bits, block=block, num_warps=w, compact=0, bisect=0)
-        for bits, (block, w) in itertools.product((4, 8), ((2048, 4), (2048, 8)))
-    ]
-    # the default: histograms and split over (rows, segments) programs, then the candidate list
-    configs += [
-        dict(
-            bits=8, block=block, num_warps=w, compact=2048, programs_per_sm=pps, hist_bits=hb, split_block=sb, bisect=0
-        )
-        for block, w, pps, hb, sb in [
-            (2048, 4, 8, 8, 2048),
-            (2048, 4, 4, 8, 2048),
-            (2048, 4, 8, 4, 1024),
-            (2048, 4, 4, 4, 1024),
-        ]
+        dict(block=2048, num_warps=4, programs_per_sm=pps, split_block=sb, bisect=0)
+        for pps, sb in [(8, 2048), (4, 2048), (4, 1024)]
     ]
     configs += [
-        dict(bits=8, block=2048, num_warps=4, compact=2048, programs_per_sm=pps, final_warps=fw, bisect=0)
+        dict(block=2048, num_warps=4, programs_per_sm=pps, final_warps=fw, bisect=0)
         for pps, fw in [(8, 8), (4, 8), (8, 2)]
     ]  # fmt: skip
-    # where the single kernel's time goes (results not checked): without the final sort; the radix
-    # passes alone
-    configs += [dict(bits=8, block=2048, num_warps=4, compact=0, profile=p, bisect=0) for p in (1, 2)]
     if match:  # (alternatives separated by '|')
-        configs = [dict(bisect=32768)] + [c for c in configs if any(m in str(c) for m in match.split("|"))]
+        configs = [{}] + [c for c in configs if any(m in str(c) for m in match.split("|"))]
     for cfg, kk in itertools.product(configs, (k,)):
 
         def check(cfg=cfg, kk=kk):
             K.launch_topk(x, lo, hi, out, kk, kk, config=cfg)
-            if cfg.get("profile"):
-                return float("nan")
             return 0.0 if torch.equal(out[:, :kk], ref[:, :kk]) else float("inf")
 
         _run(

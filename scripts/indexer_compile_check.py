@@ -25,7 +25,10 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sparse_mla.indexer import kernels as K
+from sparse_mla.indexer.kernels import logits as L
+from sparse_mla.indexer.kernels import topk as T
+from sparse_mla.indexer.kernels import topk_bisect as TB
+from sparse_mla.indexer.kernels import topk_radix as TR
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTRS = {
@@ -54,18 +57,31 @@ PTRS = {
     "s_desc": "tensordesc<fp32[1,64]>",
 }
 UNIT = {"stride_wh", "stride_qh"}  # may be 1 at run time; keep them plain i32
+#: tuple parameters: their elements' names (typed and specialised as the names say)
+TUPLES = {
+    "query": ("q_ptr", "stride_qb", "stride_qn", "stride_qh"),
+    "table": ("bt_ptr", "stride_bt", "n_log", "pbs", "next_n"),
+}
+
+
+def _div16(name: str) -> bool:
+    return (name in PTRS and not name.endswith("_desc")) or (
+        (name.startswith("stride") or name in ("bs",)) and name not in UNIT
+    )
 
 
 def compile_one(kern, consts: dict, num_warps: int, arch: int, ptrs: dict | None = None, maxnreg: int | None = None):
     names = list(inspect.signature(kern.fn).parameters)
     types = {**PTRS, **(ptrs or {})}
-    sig = {n: types.get(n, "constexpr" if n in consts else "i32") for n in names}
-    div16 = [
-        n
-        for n in names
-        if (n in PTRS and not n.endswith("_desc")) or ((n.startswith("stride") or n in ("bs",)) and n not in UNIT)
-    ]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in TUPLES:
+            sig[n] = tuple(types.get(e, "i32") for e in TUPLES[n])
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j, e in enumerate(TUPLES[n]) if _div16(e)})
+        else:
+            sig[n] = types.get(n, "constexpr" if n in consts else "i32")
+            if _div16(n):
+                attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kern, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(
         src,
@@ -77,89 +93,66 @@ def compile_one(kern, consts: dict, num_warps: int, arch: int, ptrs: dict | None
 def cases(arch: int):
     fp8 = arch >= 89
     dot = dict(FP8_DOT=fp8, DOT_DTYPE=tl.float16, DOT_PREC=None, FOR_LOOP=True)
-    pc = K.PAGED_CONFIG
+    pc = L.PAGED_CONFIG
     for next_n in (1, 2, 4):
-        p, h_p2 = K._rows_tile(64, next_n, pc["rows"])
-        warps = pc["num_warps"] if p * h_p2 <= (128 if fp8 else 64) else 8
-        consts = dict(D=128, P=p, H_P2=h_p2, BLOCK_N=pc["block_n"], NUM_STAGES=pc["num_stages"], **dot)
-        yield f"paged next_n={next_n} H=64 D=128", K._paged_mqa_logits_kernel, consts, warps
+        p, h_p2 = L._rows_tile(64, next_n, pc.rows)
+        warps = L.paged_warps(pc, p * h_p2, fp8)
+        consts = dict(D=128, P=p, H_P2=h_p2, BLOCK_N=pc.block_n, NUM_STAGES=pc.num_stages, **dot)
+        yield f"paged next_n={next_n} H=64 D=128", L._paged_mqa_logits_kernel, consts, warps
         if arch >= 90:
-            tma = dict(consts, NUM_STAGES=pc["tma_stages"], HEAD_PAD=False, FOR_LOOP=True)
+            tma = dict(consts, NUM_STAGES=pc.tma_stages, HEAD_PAD=False, FOR_LOOP=True)
             for key in ("FP8_DOT", "DOT_DTYPE", "DOT_PREC"):
                 tma.pop(key)
-            yield f"paged tensor-memory next_n={next_n} H=64 D=128", K._paged_tma_logits_kernel, tma, warps
-    fc = K.PREFILL_CONFIG
-    bq, h_p2 = K._rows_tile(64, 4096, fc["rows"])
-    consts = dict(D=128, BQ=bq, H_P2=h_p2, BLOCK_N=fc["block_n"], NUM_STAGES=fc["num_stages"], **dot)
-    yield "prefill H=64 D=128", K._mqa_logits_kernel, consts, fc["num_warps"]
-    tc = K.TOPK_CONFIG
-    topk = dict(
-        BLOCK=tc["block"], BITS=8, K_P2=2048, SLOTS=False, FOR_LOOP=True, COMPACT=True, S_P2=8, HB=tc["hist_bits"],
-        PROFILE=0, SORTED=True,
-    )  # fmt: skip
-    seg = dict(S_P2=8, BLOCK=tc["block"], FOR_LOOP=True, HB=tc["hist_bits"])
+            yield f"paged tensor-memory next_n={next_n} H=64 D=128", L._paged_tma_logits_kernel, tma, warps
+    fc = L.PREFILL_CONFIG
+    bq, h_p2 = L._rows_tile(64, 4096, fc.rows)
+    consts = dict(D=128, BQ=bq, H_P2=h_p2, BLOCK_N=fc.block_n, NUM_STAGES=fc.num_stages, **dot)
+    yield "prefill H=64 D=128", L._mqa_logits_kernel, consts, fc.num_warps
+    tc = T.TOPK_CONFIG
+    topk = dict(BLOCK=tc.block, K_P2=2048, SLOTS=False, FOR_LOOP=True, S_P2=8, HB=T.HIST_BITS, SORTED=True)
+    seg = dict(S_P2=8, BLOCK=tc.block, FOR_LOOP=True, HB=T.HIST_BITS)
     for level in (0, 1):
-        yield f"topk histogram level {level}", K._topk_hist_kernel, {**seg, "LEVEL": level}, tc["num_warps"]
-    yield "topk split", K._topk_split_kernel, seg, tc["num_warps"]
-    yield "topk k=2048 (candidate list)", K._topk_kernel, topk, tc["final_warps"] or tc["num_warps"]
-    yield "topk slots k=2048", K._topk_kernel, {**topk, "SLOTS": True}, tc["final_warps"] or tc["num_warps"]
-    yield "topk k=2048 unsorted", K._topk_kernel, {**topk, "SORTED": False}, tc["final_warps"] or tc["num_warps"]
-    single = {**topk, "COMPACT": False, "S_P2": 1}
-    yield "topk k=2048 single kernel", K._topk_kernel, single, tc["num_warps"]
-    yield "topk k=2048 single kernel, 4-bit digits", K._topk_kernel, {**single, "BITS": 4}, tc["num_warps"]
-    cap = min(tc["bisect"], 2048 * tc["bisect_cap"])
+        yield f"topk histogram level {level}", TR._topk_hist_kernel, {**seg, "LEVEL": level}, tc.num_warps
+    yield "topk split", TR._topk_split_kernel, seg, tc.num_warps
+    yield "topk k=2048 (candidate list)", TR._topk_kernel, topk, tc.final_warps or tc.num_warps
+    yield "topk slots k=2048", TR._topk_kernel, {**topk, "SLOTS": True}, tc.final_warps or tc.num_warps
+    yield "topk k=2048 unsorted", TR._topk_kernel, {**topk, "SORTED": False}, tc.final_warps or tc.num_warps
+    cap = min(tc.bisect, 2048 * tc.bisect_cap)
     bis = dict(
-        N_P2=tc["bisect"],
-        BLOCK=tc["block"],
+        N_P2=tc.bisect,
+        BLOCK=tc.block,
         K_P2=2048,
         CAP=cap,
-        THREADS=32 * tc["bisect_warps"],
+        THREADS=32 * tc.bisect_warps,
         TIE_BITS=15,
         SLOTS=False,
         SORTED=False,
         FOR_LOOP=True,
-        VEC=1,
-        PACK16=tc["bisect_pack16"],
-        STOP=0,
-        INSIDE=tc["bisect"] // (32 * tc["bisect_warps"]),  # (a row of exactly `bisect` entries: no load masks)
+        PACK16=True,
+        INSIDE=tc.bisect // (32 * tc.bisect_warps),  # (a row of exactly `bisect` entries: no load masks)
     )
-    yield "topk k=2048 bisect, unsorted", K._topk_bisect_kernel, bis, tc["bisect_warps"]
+    yield "topk k=2048 bisect, unsorted", TB._topk_bisect_kernel, bis, tc.bisect_warps
     yield (
         "topk k=2048 bisect, unsorted, 32-bit top bits",
-        K._topk_bisect_kernel,
+        TB._topk_bisect_kernel,
         {**bis, "PACK16": False},
-        tc["bisect_warps"],
+        tc.bisect_warps,
     )
-    yield "topk k=2048 bisect, sorted", K._topk_bisect_kernel, {**bis, "SORTED": True}, tc["bisect_warps"]
+    yield "topk k=2048 bisect, sorted", TB._topk_bisect_kernel, {**bis, "SORTED": True}, tc.bisect_warps
     # the split path (256 x 32768, k 2048, the launcher's sizes)
-    cap = min(tc["bisect"], max(2048 * tc["split_cap"], 32 * tc["split_list_warps"]))
-    sample = min(tc["split_sample"], cap)
-    thr = dict(CAP=cap, SAMPLE_G=min(64, sample), SAMPLE_L=sample // min(64, sample), END=20)
-    yield "topk split path: threshold", K._topk_threshold_kernel, thr, tc["split_sample_warps"]
-    chunk = dict(CHUNK=tc["split_chunk"], THREADS=32 * tc["split_warps"])
-    yield "topk split path: positions", K._topk_split_pos_kernel, chunk, tc["split_warps"]
+    cap = min(tc.bisect, max(2048 * tc.split_cap, 32 * tc.split_list_warps))
+    sample = min(tc.split_sample, cap)
+    thr = dict(CAP=cap, SAMPLE_G=min(64, sample), SAMPLE_L=sample // min(64, sample), END=20, PDL=False)
+    yield "topk split path: threshold", TB._topk_threshold_kernel, thr, tc.split_sample_warps
+    chunk = dict(CHUNK=tc.split_chunk, THREADS=32 * tc.split_warps, PDL=False)
+    yield "topk split path: positions", TB._topk_split_pos_kernel, chunk, tc.split_warps
     lst = dict(
-        NCH=tc["bisect"] // tc["split_chunk"], CHUNK=tc["split_chunk"], CAP=cap, THREADS=32 * tc["split_list_warps"],
-        TIE_BITS=15, N_P2=tc["bisect"], K_P2=2048, SLOTS=False, SORTED=False, BLOCK=min(tc["block"], 1024),
+        NCH=tc.bisect // tc.split_chunk, CHUNK=tc.split_chunk, CAP=cap, THREADS=32 * tc.split_list_warps,
+        TIE_BITS=15, N_P2=tc.bisect, K_P2=2048, SLOTS=False, SORTED=False, PDL=False, BLOCK=min(tc.block, 1024),
         FOR_LOOP=True,
     )  # fmt: skip
-    yield "topk split path: list, unsorted", K._topk_list_kernel, lst, tc["split_list_warps"]
-    yield "topk split path: list, sorted", K._topk_list_kernel, {**lst, "SORTED": True}, tc["split_list_warps"]
-    yield (
-        "topk k=2048 bisect, unsorted, 16-byte row loads (experiment)",
-        K._topk_bisect_kernel,
-        {**bis, "VEC": 4},
-        tc["bisect_warps"],
-    )
-    # TOPK_CONFIG["bisect_maxnreg"] = 64 (two rows an SM; measured slower on the H200): its spills are expected,
-    # printed to be compared with the default's
-    yield (
-        "topk k=2048 bisect, unsorted, a 64-register cap",
-        K._topk_bisect_kernel,
-        bis,
-        tc["bisect_warps"],
-        dict(maxnreg=64, spill=2048),
-    )
+    yield "topk split path: list, unsorted", TB._topk_list_kernel, lst, tc.split_list_warps
+    yield "topk split path: list, sorted", TB._topk_list_kernel, {**lst, "SORTED": True}, tc.split_list_warps
 
 
 def main() -> int:
@@ -172,13 +165,14 @@ def main() -> int:
     os.makedirs(dump, exist_ok=True)
     ptxas_arch = f"sm_{a.arch}a" if a.arch == 90 else f"sm_{a.arch}"
     ok = True
-    for name, kern, consts, warps, *extra in cases(a.arch):
-        opt = extra[0] if extra else {}  # a register cap, and the spill bytes it is allowed
+    for name, kern, consts, warps in cases(a.arch):
         tag = re.sub(r"[^a-z0-9]+", "_", name.lower())
         try:
-            ptrs = {"out_ptr": "*i32"} if kern in (K._topk_kernel, K._topk_bisect_kernel, K._topk_list_kernel) else None
-            tma_cap = kern is K._paged_tma_logits_kernel
-            reg = opt.get("maxnreg") or (K.PAGED_CONFIG["tma_maxnreg"] if tma_cap else None)
+            ptrs = (
+                {"out_ptr": "*i32"} if kern in (TR._topk_kernel, TB._topk_bisect_kernel, TB._topk_list_kernel) else None
+            )
+            tma_cap = kern is L._paged_tma_logits_kernel
+            reg = L.PAGED_CONFIG.tma_maxnreg if tma_cap else None
             k = compile_one(kern, consts, warps, a.arch, ptrs, reg)
         except Exception as e:  # noqa: BLE001 (report and go on)
             print(f"{name}: COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]} {e.__cause__!r}")
@@ -210,7 +204,7 @@ def main() -> int:
             ok = False
         # the tensor-memory kernel's register cap (3 programs per SM) costs 12 B of spills at
         # next_n 2: measured faster than 180 registers without them (H200, 2026-12-01)
-        limit = a.max_spill + (16 if tma_cap else 0) + opt.get("spill", 0)
+        limit = a.max_spill + (16 if tma_cap else 0)
         if st > limit or ld > limit:
             ok = False
         if not name.startswith("topk") and a.arch >= 89:

@@ -5,6 +5,7 @@ Triton's interpreter on the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -570,28 +571,18 @@ def test_topk_random_rows_with_ties_match_twin(n, k, dtype):
 @pytest.mark.parametrize(
     "n, k, cfg",
     [
-        (5000, 300, {"bits": 4, "block": 1024, "compact": 0, "bisect": 0}),
-        (3000, 64, {"bits": 4, "block": 256, "compact": 0, "bisect": 0}),
-        (700, 40, {"bits": 2, "block": 512, "compact": 0, "bisect": 0}),
-        (3000, 100, {"compact": 0, "block": 512, "bisect": 0}),
         (3000, 100, {"compact": 64, "block": 512, "bisect": 0}),
         (3000, 100, {"compact": 4096, "block": 256, "programs_per_sm": 64, "bisect": 0}),
         (5000, 300, {"compact": 2048, "block": 256, "programs_per_sm": 1, "bisect": 0}),
-        (
-            5000,
-            300,
-            {"compact": 2048, "block": 512, "programs_per_sm": 16, "hist_bits": 4, "split_block": 256, "bisect": 0},
-        ),
-        (3000, 100, {"compact": 64, "block": 256, "programs_per_sm": 16, "hist_bits": 4, "bisect": 0}),
+        (5000, 300, {"compact": 2048, "block": 512, "programs_per_sm": 16, "split_block": 256, "bisect": 0}),
+        (3000, 100, {"compact": 64, "block": 256, "programs_per_sm": 16, "bisect": 0}),
         (5000, 300, {"bisect": 8192}),
         (3000, 100, {"bisect": 4096, "block": 256, "bisect_warps": 4}),
         (700, 700, {"bisect": 1024, "block": 512}),
     ],
 )
 def test_topk_kernel_configs_match_twin(n, k, cfg):
-    # other digit widths than the default 8 bits (4-bit digits: 8 passes of 16 bins; 2-bit: 16
-    # passes), steps of BLOCK entries that straddle lo and hi, the single-kernel select (compact 0)
-    # and the default candidate list (compact: the k-th key's 16-bit bucket gathered when it fits in
+    # steps of BLOCK entries that straddle lo and hi, and the radix select's candidate list (compact: the k-th key's 16-bit bucket gathered when it fits in
     # the capacity, the row passes when not: the tied rows hold buckets of every size), its rows
     # split in 1 to 16 segments (programs_per_sm; the interpreter counts one SM); bisect 0 keeps
     # them off the register path that rows of up to `bisect` entries take (its own rows last)
@@ -608,20 +599,15 @@ def test_topk_kernel_configs_match_twin(n, k, cfg):
 
 
 @pytest.mark.skipif(not KERNELS, reason="runs the Triton kernel (a GPU or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize(
-    "ordered, vec_load, pack16, n",
-    [(True, False, True, 3000), (False, False, True, 3000), (True, False, False, 3000), (True, True, False, 3000),
-     (True, False, True, 4096), (False, False, True, 4096), (True, False, False, 4096)],
-)  # fmt: skip
-def test_topk_register_path_every_phase(ordered, vec_load, pack16, n):
+@pytest.mark.parametrize("ordered, n", [(True, 3000), (False, 3000), (True, 4096), (False, 4096)])
+def test_topk_register_path_every_phase(ordered, n):
     # the register path's phases (k 100: a candidate list of cap = 2 x 128 = 256): the top bits
     # until <= 256 keys are at or above them, the list, the rest of the bits on it, the select; a
     # range already within the cap (no top bits); 180 keys tied at the k-th (with the 60 above them
     # the list holds them: the tie rule on the list) and 300 (more than the cap: the select pass over
     # the row); all
-    # negative; NaN, +-inf and -0.0 around the k-th; exactly k keys at or above a prefix; and the
-    # 16-byte row loads of the bisect_vec_load experiment; the top bits two keys a register
-    # (pack16) or not, on rows whose k-th key lies among NaN / -inf, whose keys share their top 17
+    # negative; NaN, +-inf and -0.0 around the k-th; exactly k keys at or above a prefix; the top
+    # bits two keys a register, on rows whose k-th key lies among NaN / -inf, whose keys share their top 17
     # bits (the packed bits find nothing), and of subnormals of both signs; a negative k-th key with 31
     # positive keys above it (the lanes of keys whose top bit ranks above), 200 positive keys among
     # negative ones (the top bit alone decides: a list after one bit), exactly the cap (256) at or
@@ -660,14 +646,14 @@ def test_topk_register_path_every_phase(ordered, vec_load, pack16, n):
     x = torch.cat([x, x[:, : n - 3000]], 1)
     out = torch.empty(14, k, dtype=torch.int32, device=DEVICE)
     args = (x.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE), out, k, k)
-    cfg = {"bisect": 4096, "bisect_cap": 2, "bisect_vec_load": vec_load, "bisect_pack16": pack16}
+    cfg = {"bisect": 4096, "bisect_cap": 2}
     launch_topk(*args, config=cfg, ordered=ordered)
     want = topk_indices_reference(x, k, lo, hi)
     assert torch.equal(out.cpu(), want) if ordered else same_index_sets(out, want)
 
 
 @needs_kernels
-@pytest.mark.parametrize("path", [{}, {"bisect": 0}, {"bisect": 0, "compact": 0}])
+@pytest.mark.parametrize("path", [{}, {"bisect": 0}])
 def test_topk_without_ranges_matches_full_ranges(path):
     # no row_starts / row_ends: the kernels take [0, n) without range tensors (nothing to fill)
     from sparse_mla.indexer.kernels import launch_topk
@@ -686,7 +672,7 @@ def test_topk_without_ranges_matches_full_ranges(path):
 
 
 def test_topk_kvcache_block_table_on_another_device_names_logits():
-    # (a fresh-user finding: the message named "the indices", an argument this call does not have)
+    # (the message once named "the indices", an argument this call does not have)
     import sparse_mla
 
     table = torch.zeros(2, 5, dtype=torch.int32, device="meta")
@@ -694,32 +680,13 @@ def test_topk_kvcache_block_table_on_another_device_names_logits():
         sparse_mla.topk_kvcache_indices(torch.randn(2, 300), 5, table, 64)
 
 
-def test_topk_default_config_check_follows_its_dict(monkeypatch):
-    # the checked defaults are reused between calls (host time) only while TOPK_CONFIG is unchanged:
-    # a changed default takes effect, and a bad one is refused, on the next call
-    from sparse_mla.indexer import kernels as K
-
-    base = K._topk_config(None)
-    assert K._topk_config(None) == base and K._topk_config(None) is not K._topk_config(None)
-    monkeypatch.setitem(K.TOPK_CONFIG, "bisect_warps", 8)
-    assert K._topk_config(None)["bisect_warps"] == 8
-    monkeypatch.setitem(K.TOPK_CONFIG, "bisect_warps", 3)
-    with pytest.raises(ValueError, match="config: bisect_warps must be a power of two"):
-        K._topk_config(None)
-    monkeypatch.undo()
-    assert K._topk_config(None) == base
-
-
 @pytest.mark.parametrize(
     "cfg, key",
     [({"bisect_cap": 3}, "bisect_cap"), ({"bisect_cap": 0}, "bisect_cap"), ({"bisect_cap": 2.0}, "bisect_cap"),
-     ({"bisect_warps": 3}, "bisect_warps"), ({"bisect_warps": 64}, "bisect_warps"), ({"bisect_warps": True}, "bisect_warps"),
-     ({"bisect_pack16": 1}, "bisect_pack16"), ({"bisect_vec_load": "yes"}, "bisect_vec_load"),
-     ({"bisect_maxnreg": 8}, "bisect_maxnreg"), ({"bisect_maxnreg": 256}, "bisect_maxnreg"),
-     ({"bisect_maxnreg": 64.0}, "bisect_maxnreg")],
+     ({"bisect_warps": 3}, "bisect_warps"), ({"bisect_warps": 64}, "bisect_warps"), ({"bisect_warps": True}, "bisect_warps")],
 )  # fmt: skip
 def test_topk_register_path_config_is_checked(cfg, key):
-    # (found by a fresh-user attack: a list capacity of 3 x k or 3 warps left a list or a row that
+    # (a list capacity of 3 x k or 3 warps left a list or a row that
     # does not fill every thread: an assertion inside the kernel, or an arange of 192 entries)
     from sparse_mla.indexer.kernels import launch_topk
 
@@ -735,13 +702,11 @@ def test_topk_register_path_config_is_checked(cfg, key):
      ({"split_block": 32768}, "split_block"),
      ({"num_warps": 3}, "num_warps"), ({"final_warps": 3}, "final_warps"), ({"programs_per_sm": 0}, "programs_per_sm"),
      ({"bisect": -1}, "bisect"), ({"bisect": "32768"}, "bisect"), ({"compact": None}, "compact"),
-     ({"hist_bits": 8.0}, "hist_bits"), ({"bits": True}, "bits"), ({"profile": 5}, "profile"),
-     ({"profile": True}, "profile"), ({"bisect_pak16": True}, "unknown key")],
+     ({"compact": 0}, "compact"), ({"bisect_pak16": True}, "unknown key")],
 )  # fmt: skip
 def test_topk_launch_config_is_checked(cfg, key):
-    # (found by a fresh-user attack: unchecked keys crashed on tie-heavy rows or the radix path only,
-    # and profile values outside the timing stops returned garbage without an error; a review: steps
-    # of 32768 entries overflow the select's two counts packed in one int32)
+    # (unchecked keys crashed on tie-heavy rows or the radix path only; steps of 32768 entries
+    # overflow the select's two counts packed in one int32)
     from sparse_mla.indexer.kernels import launch_topk
 
     x = torch.randn(2, 300, device=DEVICE)
@@ -824,7 +789,6 @@ def test_topk_register_path_random_rows_match_twin(n, k, cap, levels, specials, 
 @pytest.mark.parametrize(
     "n, k, cfg",
     [
-        (3000, 100, {"compact": 0, "block": 512, "bisect": 0}),
         (3000, 100, {"compact": 64, "block": 512, "bisect": 0}),
         (5000, 300, {"compact": 2048, "block": 256, "programs_per_sm": 1, "bisect": 0}),
         (5000, 300, {"bisect": 8192, "block": 1024}),
@@ -832,7 +796,7 @@ def test_topk_register_path_random_rows_match_twin(n, k, cap, levels, specials, 
 )
 def test_topk_unsorted_is_the_same_set(n, k, cfg):
     # sorted=False leaves the kernels' final sort out: the same entries (the tie rule included) in
-    # the order the select wrote them, on the single-kernel path and both candidate-list paths
+    # the order the select wrote them, on both candidate-list paths of the radix select and the register path
     from sparse_mla.indexer.kernels import launch_topk
 
     x, lo, hi = _tied_rows(n, k)
@@ -1334,50 +1298,6 @@ def test_dequantize_indexer_cache_returns_the_stored_keys():
     torch.testing.assert_close(got, k, rtol=0.07, atol=1e-3)  # e4m3: 3 mantissa bits
 
 
-@pytest.mark.skipif(not ON_GPU, reason="a register cap is a compiled-kernel setting (the interpreter has none)")
-@pytest.mark.parametrize("maxnreg", [64, 72])
-def test_topk_register_path_under_a_register_cap(maxnreg):
-    # bisect_maxnreg (two rows an SM at 64, a spill-cost control at 72): the same sets as the default, on
-    # 32K-entry rows with ties at the k-th key, NaN and -inf, a row within the list's capacity,
-    # exactly the list's capacity tied, one more than it, keys sharing their top 15 bits, and
-    # positive keys among negative ones
-    from sparse_mla.indexer.kernels import launch_topk
-
-    g = torch.Generator().manual_seed(maxnreg)
-    rows, n, k = 9, 32768, 2048
-    x = torch.randn(rows, n, generator=g)
-    x[1, 100:5000] = 0.5  # thousands tied around the k-th
-    x[2, ::3] = float("nan")
-    x[2, 1::5] = float("-inf")
-    x[3] = x[3].abs() * 1e-30
-    lo = torch.zeros(rows, dtype=torch.int64)
-    hi = torch.full((rows,), n, dtype=torch.int64)
-    lo[4], hi[4] = 7000, 9000  # within the cap: no top bits
-    x[5, 1000:5096] = 5.0  # 4096 tied at the top: exactly the cap (2 x k)
-    x[6, 1000:5097] = 5.0  # 4097: one more than the cap, the select pass
-    x[7] = -(1.0 + torch.randperm(n, generator=g).float() * 2.0**-23)  # one top 15 bits: past them, then a list
-    x[8] = -torch.rand(n, generator=g) - 1.0
-    x[8, ::32] = torch.rand(1024, generator=g)  # 1024 positive among negative keys
-    x, lo, hi = x.to(DEVICE), lo.to(DEVICE), hi.to(DEVICE)
-    want = topk_indices_reference(x.cpu(), k, lo.cpu(), hi.cpu())
-    got = torch.empty(rows, k, dtype=torch.int32, device=DEVICE)
-    # (split 0: rows of 32K take the split path by default, which launches no register-path kernel)
-    launch_topk(x, lo, hi, got, k, k, config={"bisect_maxnreg": maxnreg, "split": 0}, ordered=False)
-    assert same_index_sets(got.cpu(), want)
-    launch_topk(x, lo, hi, got, k, k, ordered=False)  # the split path on the same rows (some flagged)
-    assert same_index_sets(got.cpu(), want)
-    # the cap reached the compiler: the kernels compiled with it use at most that many registers
-    from sparse_mla.indexer import kernels as K
-
-    capped = [
-        c
-        for cache in K._topk_bisect_kernel.device_caches.values()
-        for c in cache[0].values()
-        if getattr(c.metadata, "maxnreg", None) == maxnreg
-    ]
-    assert capped and all(c.n_regs <= maxnreg for c in capped), [(c.metadata.maxnreg, c.n_regs) for c in capped]
-
-
 # the split path at interpreter sizes: chunks of 64 entries, lists of up to 2 x k (at least 64), a 64-entry sample
 SPLIT_SMALL = {
     "split": 256, "split_chunk": 64, "split_warps": 1, "split_list_warps": 2, "split_cap": 2, "split_sample": 64,
@@ -1450,7 +1370,7 @@ def test_topk_split_path_lists_and_flags():
     # select over the row): rows of distinct values (a sample judges them) on the list, a row of one
     # value (more candidates than the list holds) and a row whose top keys the sample misses
     # flagged; the answer right for all
-    from sparse_mla.indexer import kernels as K
+    from sparse_mla.indexer.kernels import topk as K
 
     g = torch.Generator().manual_seed(3)
     n, k = 1024, 40
@@ -1513,14 +1433,13 @@ def _k4096_rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 @needs_kernels
 @pytest.mark.parametrize("path", list(K4096_PATHS))
 def test_topk_k4096_sets_match_twin(path, monkeypatch):
-    # k 4096 (the issue's "k up to 2048 (and 4096)"): topk_indices and topk_kvcache_indices without
+    # k 4096 (the largest k the top-k takes): topk_indices and topk_kvcache_indices without
     # the final sort (the interpreter's sort of 4096 keys is slow: rank order in the test below)
     # give the twin's sets, ties by position and -1 padding included
-    from sparse_mla.indexer import kernels as K
+    from sparse_mla.indexer.kernels import topk as K
 
     n, cfg = K4096_PATHS[path]
-    for key, v in cfg.items():
-        monkeypatch.setitem(K.TOPK_CONFIG, key, v)
+    monkeypatch.setattr(K, "TOPK_CONFIG", dataclasses.replace(K.TOPK_CONFIG, **cfg))
     k, next_n, pbs = 4096, 2, 64
     x, lo, hi = _k4096_rows(n, seed=n + len(cfg))
     want = topk_indices_reference(x, k, lo, hi)
@@ -1546,11 +1465,10 @@ def test_topk_k4096_rank_order_matches_twin(path, row, fused, monkeypatch):
     # k 4096 in rank order (the kernels' sort of 4096 rank keys), one row each (the interpreter sorts
     # 4096 keys in ~15 s): the row with 2096 of 3000 tied keys taken by position, and the row of NaN,
     # +-inf and -0.0 whose k-th key lies among the NaN, as slots of a one-request block table
-    from sparse_mla.indexer import kernels as K
+    from sparse_mla.indexer.kernels import topk as K
 
     n, cfg = K4096_PATHS[path]
-    for key, v in cfg.items():
-        monkeypatch.setitem(K.TOPK_CONFIG, key, v)
+    monkeypatch.setattr(K, "TOPK_CONFIG", dataclasses.replace(K.TOPK_CONFIG, **cfg))
     k, pbs = 4096, 16
     x, _, _ = _k4096_rows(n, seed=n + len(cfg))
     x = x[row : row + 1]
