@@ -1,4 +1,4 @@
-"""Fused quantise-and-store benchmark (``sparse_mla.kvcache.store``): GB/s against the HBM ceiling.
+"""Fused quantise-and-store benchmark (``sparse_mla.kvcache.kernels.store``): GB/s against the HBM ceiling.
 
 For each layout, token count ``n`` (decode batches up to prefill chunks), slot pattern (``random``:
 distinct random slots of a pool twice the size, like a decode step over many requests;

@@ -35,7 +35,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     import importlib
 
     for _mod in ("decode.kernels.portable", "decode.kernels.combine", "prefill.kernels.portable",
-                 "indexer.kernels", "kvcache.store", "kvcache.index_convert"):  # fmt: skip
+                 "indexer.kernels", "kvcache.kernels.store", "kvcache.kernels.index_convert"):  # fmt: skip
         importlib.import_module(f"sparse_mla.{_mod}")
 
 

@@ -8,9 +8,7 @@ the indexer calls (``indexer_k_quant_and_cache``, ``fp8_mqa_logits``, ``fp8_page
 
 Importing the package registers the ``torch.ops.sparse_mla.*`` custom ops (for ``torch.compile``)
 and imports no Triton: the kernel modules load on first use, so ``TRITON_INTERPRET`` can still be
-set after ``import sparse_mla`` (before the first kernel call). The cache-writing kernels
-``quantize_and_store_kv`` (fused FP8 cache write) and ``abs_indices_to_kvcache_indices_triton``
-(index conversion) are attributes that load their module on first access.
+set after ``import sparse_mla`` (before the first kernel call).
 
 Layout (docs/architecture.md): one package per operation, each with the same stages —
 ``problem`` (validation) → ``backends`` (``backend=`` resolution) → ``kernels`` → ``reference``
@@ -39,7 +37,9 @@ from .indexer import (
     topk_kvcache_indices,
 )
 from .kvcache import op as _kvcache_op  # noqa: F401
+from .kvcache.index_convert import abs_indices_to_kvcache_indices_triton
 from .kvcache.reference import abs_indices_to_kvcache_indices
+from .kvcache.store import quantize_and_store_kv
 from .prefill import op as _prefill_op  # noqa: F401
 
 __version__ = "0.1.0"
@@ -67,17 +67,3 @@ __all__ = [
     "quantize_and_store_kv",
     "abs_indices_to_kvcache_indices_triton",
 ]
-
-_LAZY = {
-    "quantize_and_store_kv": "sparse_mla.kvcache.store",
-    "abs_indices_to_kvcache_indices_triton": "sparse_mla.kvcache.index_convert",
-}
-
-
-def __getattr__(name: str):
-    """Lazy attributes: the Triton kernel modules are imported on first use (PEP 562)."""
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'sparse_mla' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Index-conversion kernel (``sparse_mla.kvcache.index_convert``) vs its PyTorch twin
+"""Index-conversion kernel (``sparse_mla.kvcache.kernels.index_convert``) vs its PyTorch twin
 :func:`sparse_mla.abs_indices_to_kvcache_indices` (identical int32 results)."""
 
 from __future__ import annotations

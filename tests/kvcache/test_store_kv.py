@@ -1,4 +1,4 @@
-"""Fused quantise-and-store kernel (``sparse_mla.kvcache.store``) vs ``quantize_k_cache``, byte for byte.
+"""Fused quantise-and-store kernel (``sparse_mla.kvcache.kernels.store``) vs ``quantize_k_cache``, byte for byte.
 
 Every test pre-fills the whole cache storage with random bytes, writes random bf16 tokens to
 random distinct slots, and compares the *whole storage* with the expected bytes built from
@@ -17,7 +17,7 @@ import torch
 from cache_bytes import expected_after_store, quantized_token_bytes, storage_bytes, to_device
 
 from sparse_mla import dequantize_k_cache, get_layout, quantize_and_store_kv, quantize_k_cache
-from sparse_mla.kvcache.store import launch as launch_store_kernel
+from sparse_mla.kvcache.kernels.store import launch as launch_store_kernel
 from sparse_mla.reference import quantize_and_store_kv_reference
 
 pytestmark = pytest.mark.skipif(

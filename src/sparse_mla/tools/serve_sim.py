@@ -753,8 +753,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 #: the modules a simulation step imports (each needs Triton; on the CPU Triton's interpreter needs NumPy)
 KERNEL_MODULES = (
     "sparse_mla.decode.kernels.portable",
-    "sparse_mla.kvcache.store",
-    "sparse_mla.kvcache.index_convert",
+    "sparse_mla.kvcache.kernels.store",
+    "sparse_mla.kvcache.kernels.index_convert",
     "sparse_mla.indexer.kernels",
 )
 
