@@ -1,5 +1,5 @@
 """The repository speaks of the product: no tracked text file names the work that produced it (numbered
-work sessions, this project's issue numbers). References to other projects' trackers ("vLLM PR
+work periods, this project's tracker numbers). References to other projects' trackers ("vLLM PR
 #55177", "SGLang #33194") are fine."""
 
 from __future__ import annotations
