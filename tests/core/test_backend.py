@@ -78,3 +78,34 @@ def test_cache_writes_take_backend_and_agree(monkeypatch):
     )
     with pytest.raises(ValueError, match="^backend: expected 'auto' or one of"):
         flash_mla.abs_indices_to_kvcache_indices_triton(abs_idx[:, :, :0], table, 8, backend="gluon-ish")
+
+
+def test_indexer_calls_take_backend_and_agree(monkeypatch):
+    monkeypatch.delenv("SPARSE_MLA_BACKEND", raising=False)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 40, generator=g)
+    got = [flash_mla.topk_indices(logits, 8, backend=b) for b in ("auto", "reference")]
+    assert torch.equal(got[0], got[1])
+    table = torch.tensor([[1, 0], [0, 1]], dtype=torch.int32)
+    slots = [flash_mla.topk_kvcache_indices(logits, 8, table, 32, next_n=2, backend=b) for b in ("auto", "reference")]
+    assert torch.equal(slots[0], slots[1])
+    k = torch.randn(6, 64, generator=g).to(torch.bfloat16)
+    caches = []
+    for b in ("auto", "reference"):
+        cache = torch.zeros(2, 4, 1, 68, dtype=torch.uint8)
+        flash_mla.indexer_k_quant_and_cache(k, cache, torch.tensor([0, 1, 2, 5, -1, 7]), backend=b)
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1])
+    q = torch.randn(3, 2, 64, generator=g).to(torch.float8_e4m3fn)
+    keys = torch.randn(10, 64, generator=g).to(torch.float8_e4m3fn)
+    scales, w = torch.rand(10, generator=g), torch.rand(3, 2, generator=g)
+    ks, ke = torch.zeros(3, dtype=torch.int32), torch.tensor([4, 10, 7], dtype=torch.int32)
+    out = [flash_mla.fp8_mqa_logits(q, (keys, scales), w, ks, ke, backend=b) for b in ("auto", "reference")]
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
+    for call in (
+        lambda: flash_mla.topk_indices(logits[:0], 8, backend="bogus"),  # checked before the empty return
+        lambda: flash_mla.indexer_k_quant_and_cache(k[:0], caches[0], torch.tensor([], dtype=torch.long), backend="x"),
+        lambda: flash_mla.fp8_mqa_logits(q[:0], (keys, scales), w[:0], ks[:0], ke[:0], backend="bogus"),
+    ):
+        with pytest.raises(ValueError, match="^backend: expected 'auto' or one of"):
+            call()

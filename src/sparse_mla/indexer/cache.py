@@ -48,7 +48,12 @@ def _check_args(k: Any, kv_cache: Any, slot_mapping: Any, scale_fmt: Any) -> int
 
 @on_tensor_device
 def indexer_k_quant_and_cache(
-    k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, scale_fmt: str | None = "ue8m0"
+    k: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale_fmt: str | None = "ue8m0",
+    *,
+    backend: str = "auto",
 ) -> None:
     """Quantise new indexer keys to FP8 and write them in place into the paged key cache.
 
@@ -60,23 +65,27 @@ def indexer_k_quant_and_cache(
         slot_mapping: ``[n]`` int64 (or int32) ``block * block_size + offset``; slots outside the
             cache (``-1`` padding) are skipped.
         scale_fmt: ``"ue8m0"`` (power-of-two scales) or None (``amax / 448``).
+        backend: ``"auto"``, ``"portable"`` (the Triton kernels) or ``"reference"`` (the PyTorch
+            twin), resolved as every operation's (:mod:`sparse_mla.core.backend`).
 
     Runs the Triton kernel on CUDA and under ``TRITON_INTERPRET=1``, else the PyTorch twin; the
     bytes are the same. No host synchronisation (CUDA-graph safe).
 
     Raises:
-        TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device.
+        TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device, or
+            a ``backend`` that is unknown or cannot serve the tensors' device.
     """
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
         if scale_fmt not in SCALE_FMTS:
             raise ValueError(f"scale_fmt: expected 'ue8m0' or None, got {scale_fmt!r}")
-        torch.ops.sparse_mla.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, scale_fmt)
+        torch.ops.sparse_mla.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, scale_fmt, backend)
         return
     d = _check_args(k, kv_cache, slot_mapping, scale_fmt)
+    kernels = runs_kernels(kv_cache.device, backend)
     n = k.shape[0]
     if n == 0:
         return
-    if not runs_kernels(kv_cache.device):
+    if not kernels:
         indexer_k_quant_and_cache_reference(k, kv_cache, slot_mapping, scale_fmt)
         return
     from .kernels import launch_quant_store

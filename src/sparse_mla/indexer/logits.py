@@ -68,6 +68,8 @@ def fp8_mqa_logits(
     cu_seqlen_ks: torch.Tensor,
     cu_seqlen_ke: torch.Tensor,
     clean_logits: bool = True,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Prefill indexer logits over a contiguous FP8 key buffer.
 
@@ -78,18 +80,23 @@ def fp8_mqa_logits(
         weights: ``[s_q, H]`` fp32 per-head weights (DeepSeek folds the query scales into them).
         cu_seqlen_ks, cu_seqlen_ke: ``[s_q]`` int32: query ``i`` sees keys ``ks[i] <= j < ke[i]``.
         clean_logits: accepted for DeepGEMM's signature; entries outside ``[ks, ke)`` are ``-inf``.
+        backend: ``"auto"``, ``"portable"`` (the Triton kernels) or ``"reference"`` (the PyTorch
+            twin), resolved as every operation's (:mod:`sparse_mla.core.backend`).
 
     Returns:
         ``[s_q, s_kv]`` fp32 logits.
 
     Raises:
-        TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device.
+        TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device, or
+            a ``backend`` that is unknown or cannot serve the tensors' device.
     """
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
         raise TypeError("kv: expected a tuple (keys [s_kv, D] float8_e4m3fn, key_scales [s_kv] float32)")
     _check_bool(clean_logits, "clean_logits")
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
-        return torch.ops.sparse_mla.fp8_mqa_logits(q, kv[0], kv[1], weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
+        return torch.ops.sparse_mla.fp8_mqa_logits(
+            q, kv[0], kv[1], weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, backend
+        )
     h, d = _check_q(q, 3)
     dev = q.device
     s_q = q.shape[0]
@@ -106,9 +113,10 @@ def fp8_mqa_logits(
     _check_weights(weights, s_q, h, dev, "s_q")
     ks = _check_int_vector(cu_seqlen_ks, "cu_seqlen_ks", s_q, "s_q", dev)
     ke = _check_int_vector(cu_seqlen_ke, "cu_seqlen_ke", s_q, "s_q", dev)
+    kernels = runs_kernels(dev, backend)
     if s_q == 0 or s_kv == 0:
         return torch.full((s_q, s_kv), float("-inf"), dtype=torch.float32, device=dev)
-    if not runs_kernels(dev):
+    if not kernels:
         return fp8_mqa_logits_reference(q, keys, key_scales, weights, ks, ke)
     from .kernels import launch_mqa_logits
 
@@ -147,6 +155,8 @@ def fp8_paged_mqa_logits(
     schedule_meta: torch.Tensor,
     max_context_len: int,
     clean_logits: bool = False,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Decode indexer logits over the paged FP8 key cache.
 
@@ -160,13 +170,16 @@ def fp8_paged_mqa_logits(
         schedule_meta: from :func:`get_paged_mqa_logits_metadata` (its block_size must match).
         max_context_len: columns of the result (int >= 0).
         clean_logits: accepted for DeepGEMM's signature; invisible entries are ``-inf`` either way.
+        backend: ``"auto"``, ``"portable"`` (the Triton kernels) or ``"reference"`` (the PyTorch
+            twin), resolved as every operation's (:mod:`sparse_mla.core.backend`).
 
     Returns:
         ``[b * next_n, max_context_len]`` fp32: row ``i * next_n + p`` holds query position ``p`` of
         request ``i``, which sees keys ``j < context_lens[i]`` with ``j <= context_lens[i] - next_n + p``.
 
     Raises:
-        TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device.
+        TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device, or
+            a ``backend`` that is unknown or cannot serve the tensors' device.
     """
     if (
         isinstance(max_context_len, bool)
@@ -178,7 +191,7 @@ def fp8_paged_mqa_logits(
     max_context_len = int(max_context_len)
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
         return torch.ops.sparse_mla.fp8_paged_mqa_logits(
-            q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits
+            q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits, backend
         )
     h, d = _check_q(q, 4)
     dev = q.device
@@ -202,9 +215,10 @@ def fp8_paged_mqa_logits(
         raise ValueError(
             f"schedule_meta: made for block_size {int(schedule_meta[0])}, but kv_cache has {kv_cache.shape[1]}"
         )
+    kernels = runs_kernels(dev, backend)
     if b == 0 or max_context_len == 0:
         return torch.full((b * next_n, max_context_len), float("-inf"), dtype=torch.float32, device=dev)
-    if not runs_kernels(dev):
+    if not kernels:
         return fp8_paged_mqa_logits_reference(q, kv_cache, weights, ctx, block_table, max_context_len)
     from .kernels import launch_paged_mqa_logits
 

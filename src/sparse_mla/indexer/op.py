@@ -33,13 +33,17 @@ INDEXER_OPS = (
 
 @torch.library.custom_op("sparse_mla::indexer_k_quant_and_cache", mutates_args=("kv_cache",))
 def _store_op(
-    k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, scale_fmt: str | None = "ue8m0"
+    k: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale_fmt: str | None = "ue8m0",
+    backend: str = "auto",
 ) -> None:
-    _store(k, kv_cache, slot_mapping, scale_fmt)
+    _store(k, kv_cache, slot_mapping, scale_fmt, backend=backend)
 
 
 @_store_op.register_fake
-def _(k, kv_cache, slot_mapping, scale_fmt="ue8m0"):
+def _(k, kv_cache, slot_mapping, scale_fmt="ue8m0", backend="auto"):
     return None
 
 
@@ -52,8 +56,9 @@ def _mqa_op(
     cu_seqlen_ks: torch.Tensor,
     cu_seqlen_ke: torch.Tensor,
     clean_logits: bool = True,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    return _mqa(q, (kv, kv_scale), weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
+    return _mqa(q, (kv, kv_scale), weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, backend=backend)
 
 
 def _need_dims(x: torch.Tensor, name: str, dim: int) -> None:
@@ -63,7 +68,7 @@ def _need_dims(x: torch.Tensor, name: str, dim: int) -> None:
 
 
 @_mqa_op.register_fake
-def _(q, kv, kv_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True):
+def _(q, kv, kv_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True, backend="auto"):
     _need_dims(q, "q", 3)
     _need_dims(kv, "kv[0]", 2)
     return q.new_empty((q.shape[0], kv.shape[0]), dtype=torch.float32)
@@ -79,12 +84,17 @@ def _paged_op(
     schedule_meta: torch.Tensor,
     max_context_len: int,
     clean_logits: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    return _paged(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits)
+    return _paged(
+        q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits, backend=backend
+    )
 
 
 @_paged_op.register_fake
-def _(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits=False):
+def _(
+    q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits=False, backend="auto"
+):
     _need_dims(q, "q", 4)
     if max_context_len < 0:
         raise ValueError(f"max_context_len: expected an int >= 0, got {max_context_len}")
@@ -98,12 +108,13 @@ def _topk_op(
     row_starts: torch.Tensor | None = None,
     row_ends: torch.Tensor | None = None,
     ordered: bool = True,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    return _topk(logits, k, row_starts, row_ends, sorted=ordered)
+    return _topk(logits, k, row_starts, row_ends, sorted=ordered, backend=backend)
 
 
 @_topk_op.register_fake
-def _(logits, k, row_starts=None, row_ends=None, ordered=True):
+def _(logits, k, row_starts=None, row_ends=None, ordered=True, backend="auto"):
     _need_dims(logits, "logits", 2)
     if k < 1:
         raise ValueError(f"k: expected an int >= 1, got {k}")

@@ -74,6 +74,7 @@ def topk_indices(
     row_ends: torch.Tensor | None = None,
     *,
     sorted: bool = True,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The ``k`` best positions of each row of ``logits`` (module doc for the ranking rule).
 
@@ -85,18 +86,21 @@ def topk_indices(
         sorted: True: the positions in rank order. False: the same set in no set order (the
             kernels leave their final sort out; the attention does not need the order), still
             first in the row and ``-1`` after them.
+        backend: ``"auto"``, ``"portable"`` (the Triton kernels) or ``"reference"`` (the PyTorch
+            twin), resolved as every operation's (:mod:`sparse_mla.core.backend`).
 
     Returns:
         ``[rows, k]`` int32 positions, ``-1`` past a row's number of candidates.
 
     Raises:
-        TypeError / ValueError: an argument of the wrong type, dtype, shape or device.
+        TypeError / ValueError: an argument of the wrong type, dtype, shape or device, or a
+            ``backend`` that is unknown or cannot serve the tensors' device.
     """
     _check_k(k)
     _check_sorted(sorted)
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
-        return torch.ops.sparse_mla.topk_indices(logits, int(k), row_starts, row_ends, sorted)
-    return _topk(logits, int(k), row_starts, row_ends, ordered=sorted)
+        return torch.ops.sparse_mla.topk_indices(logits, int(k), row_starts, row_ends, sorted, backend)
+    return _topk(logits, int(k), row_starts, row_ends, ordered=sorted, backend=backend)
 
 
 def _topk(
@@ -108,6 +112,7 @@ def _topk(
     page_block_size: int = 1,
     next_n: int = 1,
     ordered: bool = True,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """:func:`topk_indices` after its ``k`` check; with ``table`` the positions are mapped to cache
     slots (``[rows, k]``; the caller checked ``table``, ``page_block_size`` and ``next_n``);
@@ -117,8 +122,9 @@ def _topk(
     dev = logits.device
     lo = _check_range(row_starts, "row_starts", rows, dev)
     hi = _check_range(row_ends, "row_ends", rows, dev)
+    kernels = runs_kernels(dev, backend)
     kk = min(k, n)
-    if rows and kk and runs_kernels(dev):  # select, sort, positions (or slots); the kernels clamp lo, hi
+    if rows and kk and kernels:  # select, sort, positions (or slots); the kernels clamp lo, hi
         from .kernels import launch_topk
 
         x = logits if logits.stride(1) == 1 else logits.contiguous()
@@ -167,6 +173,7 @@ def topk_kvcache_indices(
     row_ends: torch.Tensor | None = None,
     *,
     sorted: bool = True,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """:func:`topk_indices` turned into the decode's ``indices``: cache slots through the block table.
 
@@ -180,6 +187,7 @@ def topk_kvcache_indices(
             context_lens[i] - next_n + p + 1``).
         sorted: as :func:`topk_indices` (False: the same slots in no set order, which the decode
             does not need).
+        backend: as :func:`topk_indices`.
 
     Returns:
         ``[b, next_n, k]`` int32 ``block * page_block_size + offset`` (``-1`` for no key), ready as
@@ -189,7 +197,7 @@ def topk_kvcache_indices(
         raise ValueError(f"next_n: expected an int >= 1, got {next_n!r}")
     _check_sorted(sorted)
     if torch.compiler.is_compiling():  # the top-k operator, then the slot map in torch ops
-        pos = topk_indices(logits, k, row_starts, row_ends, sorted=sorted)
+        pos = topk_indices(logits, k, row_starts, row_ends, sorted=sorted, backend=backend)
         rows = pos.shape[0]
         if rows % next_n:
             raise ValueError(f"logits: rows ({rows}) must be b * next_n with next_n={next_n}")
@@ -203,5 +211,7 @@ def topk_kvcache_indices(
     check_block_table(block_table, b, logits.device, page_block_size, "logits")
     page_block_size = int(page_block_size)  # (a NumPy integer passes the check)
     table = block_table if block_table.shape[1] < 2 or block_table.stride(1) == 1 else block_table.contiguous()
-    out = _topk(logits, int(k), row_starts, row_ends, table, page_block_size, int(next_n), ordered=sorted)
+    out = _topk(
+        logits, int(k), row_starts, row_ends, table, page_block_size, int(next_n), ordered=sorted, backend=backend
+    )
     return out.view(b, int(next_n), int(k))
