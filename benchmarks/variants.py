@@ -78,7 +78,7 @@ def set_hopper_default(spec: str) -> None:
     if spec:
         from sparse_mla.decode.kernels import hopper
 
-        hopper._DEFAULT_CONFIG = parse_variant(f"cli=hopper:{spec}")[2]
+        hopper.DEFAULT_CONFIG = parse_variant(f"cli=hopper:{spec}")[2]
 
 
 def check_variant(backend: str, config: Any) -> str:

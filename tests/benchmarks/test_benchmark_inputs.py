@@ -42,10 +42,10 @@ def test_set_hopper_default(monkeypatch):
     from benchmarks.variants import set_hopper_default
     from sparse_mla.decode.kernels import hopper
 
-    monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", hopper._DEFAULT_CONFIG)  # restored after the test
-    before = hopper._DEFAULT_CONFIG
+    monkeypatch.setattr(hopper, "DEFAULT_CONFIG", hopper.DEFAULT_CONFIG)  # restored after the test
+    before = hopper.DEFAULT_CONFIG
     set_hopper_default("")
-    assert hopper._DEFAULT_CONFIG is before
+    assert hopper.DEFAULT_CONFIG is before
     set_hopper_default("half_stages=0,pv_regs=152,smem_carveout=-1")
-    cfg = hopper._DEFAULT_CONFIG
+    cfg = hopper.DEFAULT_CONFIG
     assert (cfg.half_stages, cfg.pv_regs, cfg.smem_carveout) == (False, 152, -1)

@@ -224,12 +224,12 @@ def test_smem_carveout_hint_keeps_results(h_q, monkeypatch):
     from sparse_mla.core import launcher
     from sparse_mla.decode.kernels import hopper
 
-    if hopper._DEFAULT_CONFIG.smem_carveout != 0:
+    if hopper.DEFAULT_CONFIG.smem_carveout != 0:
         pytest.skip("tests the default hint (0); this run's --hopper-config sets another")
     q, kc, idx, kw = make_case(3, 2, h_q, seed=40 + h_q, sink=True)
-    no_hint = dataclasses.replace(hopper._DEFAULT_CONFIG, smem_carveout=-1)  # (a --hopper-config default too)
+    no_hint = dataclasses.replace(hopper.DEFAULT_CONFIG, smem_carveout=-1)  # (a --hopper-config default too)
     with monkeypatch.context() as m:
-        m.setattr(hopper, "_DEFAULT_CONFIG", no_hint)
+        m.setattr(hopper, "DEFAULT_CONFIG", no_hint)
         base = run_gluon(q, kc, idx, None, **kw)[:2]
     before = dict(launcher._CARVEOUT_SET)  # other kernels of the process may hold hints already
     out, lse = check(q, kc, idx, None, **kw)  # the default: one call sets the hint
@@ -243,7 +243,7 @@ def test_smem_carveout_hint_keeps_results(h_q, monkeypatch):
     out, lse = check(q, kc, idx, None, **kw)
     assert torch.equal(out, base[0]) and torch.equal(lse, base[1])
     with monkeypatch.context() as m:
-        m.setattr(hopper, "_DEFAULT_CONFIG", no_hint)
+        m.setattr(hopper, "DEFAULT_CONFIG", no_hint)
         out, lse = run_gluon(q, kc, idx, None, **kw)[:2]
     assert torch.equal(out, base[0]) and all(launcher._CARVEOUT_SET[k] == -1 for k in hinted)
 
@@ -257,8 +257,8 @@ def test_half_stages(layout, num_sms, h_q, monkeypatch):
     # lengths, attn_sink, NaN past the lengths
     from sparse_mla.decode.kernels import hopper
 
-    cfg = dataclasses.replace(hopper._DEFAULT_CONFIG, half_stages=True)
-    monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", cfg)
+    cfg = dataclasses.replace(hopper.DEFAULT_CONFIG, half_stages=True)
+    monkeypatch.setattr(hopper, "DEFAULT_CONFIG", cfg)
     q, kc, idx, kw = make_case(
         4, 2, h_q, topk=448, seed=80 + h_q, layout=layout, sink=True, topk_length=[448, 1, 300, 0],
         nan_unused=layout == "V32",
@@ -285,7 +285,7 @@ def test_narrow_config_both_ways(layout, field, value, h_q, monkeypatch):
     # after a staged epilogue)
     from sparse_mla.decode.kernels import hopper
 
-    monkeypatch.setattr(hopper, "_DEFAULT_CONFIG", dataclasses.replace(hopper._DEFAULT_CONFIG, **{field: value}))
+    monkeypatch.setattr(hopper, "DEFAULT_CONFIG", dataclasses.replace(hopper.DEFAULT_CONFIG, **{field: value}))
     q, kc, idx, kw = make_case(
         4, 2, h_q, topk=448, seed=140 + h_q, layout=layout, sink=True, topk_length=[448, 1, 300, 0],
         nan_unused=layout == "V32",

@@ -1379,12 +1379,12 @@ def test_topk_split_path_lists_and_flags():
     x[4] = 0.25  # one value: 1024 candidates > the list's 128
     x[5] = torch.randn(n, generator=g)
     x[5, 1::16] += 10  # 64 top keys between the sample's segments (16 entries every 16): the sample sees none
-    cfg = K._topk_config(SPLIT_SMALL)
+    cfg = K.topk_config(SPLIT_SMALL)
     k_p2, n_p2 = 64, 1024
     xd = x.to(DEVICE)
     out = torch.full((6, k), -7, dtype=torch.int32, device=DEVICE)
     scr = torch.empty(6, k_p2, dtype=torch.int64, device=DEVICE)
-    flags = K._launch_topk_split(xd, None, None, out, scr, k, k_p2, n_p2, out, False, 1, 1, False, cfg)
+    flags = K.launch_topk_split(xd, None, None, out, scr, k, k_p2, n_p2, out, False, 1, 1, False, cfg)
     assert flags.cpu().tolist() == [0, 0, 0, 0, 1, 1]
     want = topk_indices_reference(x, k, None, None)
     assert same_index_sets(out.cpu(), want)

@@ -312,13 +312,13 @@ def test_hopper_bf16_rows_at_every_alignment(d_qk, pad, offset, align, h_q):
     # row views whose addresses are 16-, 8-, 4- or only 2-byte aligned: cp.async of 16, 8 or 4 bytes,
     # or (a 2-byte aligned base or row stride) the register fallback; all give the contiguous rows'
     # result bit for bit, and the NaN around each row is never read
-    from sparse_mla.decode.kernels.hopper import _rows_alignment
+    from sparse_mla.decode.kernels.hopper import rows_alignment
 
     q, kv, idx, kw = make_case(5, h_q, 200, d_qk=d_qk, s_kv=700, seed=22, topk_length=[200, 0, 17, 64, 130], sink=True)
     big = torch.full((kv.shape[0], 1, d_qk + pad + offset), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     big[..., offset : offset + d_qk] = kv
     kvv = big[..., offset : offset + d_qk]
-    assert _rows_alignment(kvv) == align
+    assert rows_alignment(kvv) == align
     out, ml, lse = run_and_check(q, kvv, idx, backend="hopper", **kw)
     ref = flash_mla.flash_mla_sparse_fwd(q, kv, idx, d_qk**-0.5, backend="hopper", **kw)
     assert torch.equal(out, ref[0]) and torch.equal(ml, ref[1]) and torch.equal(lse, ref[2])

@@ -398,7 +398,7 @@ def _sel_args(indices: torch.Tensor, lengths: torch.Tensor | None, dummy: torch.
     return (indices, *indices.stride(), indices.shape[2], lengths if lengths is not None else dummy)
 
 
-_DEFAULT_CONFIG = PortableConfig()  # frozen: one validated instance serves every default call
+DEFAULT_CONFIG = PortableConfig()  # frozen: one validated instance serves every default call
 
 
 def launch(
@@ -420,7 +420,7 @@ def launch(
         ``out [b, s_q, h_q, 512]`` bf16, ``lse [b, h_q, s_q]`` fp32.
     """
     require_runnable(_sparse_decode_kernel, p.q.device, final_out_lse)
-    config = config or _DEFAULT_CONFIG
+    config = config or DEFAULT_CONFIG
     q = p.q
     b, s_q, h_q, _ = q.shape
     lay = p.layout

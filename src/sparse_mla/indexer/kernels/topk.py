@@ -61,7 +61,7 @@ from .topk_radix import (
     _unrank,
 )
 
-__all__ = ["TopkConfig", "TOPK_CONFIG", "launch_topk"]
+__all__ = ["TopkConfig", "TOPK_CONFIG", "launch_topk", "topk_config", "launch_topk_split"]
 
 HIST_BITS = 8  # bits per histogram level of the radix select (16 / HIST_BITS levels, 2^HIST_BITS bins)
 MAX_SEGMENTS = 16  # a row's per-segment histograms are summed as one [16, 256] tile
@@ -149,7 +149,7 @@ class TopkConfig:
 TOPK_CONFIG = TopkConfig()
 
 
-def _topk_config(config: object) -> TopkConfig:
+def topk_config(config: object) -> TopkConfig:
     """``config`` (a :class:`TopkConfig`, a dict of its fields to change, or None) as a :class:`TopkConfig`."""
     return resolve_config(config, TOPK_CONFIG)
 
@@ -188,7 +188,7 @@ def _check_topk_launch(logits, lo, hi, out, k, kk, table, page_block_size, next_
     check_apart(out, "out", (logits, lo, hi, table))
 
 
-def _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, page_block_size, next_n, ordered, cfg):
+def launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, page_block_size, next_n, ordered, cfg):
     """The split path's three launches (:func:`_topk_threshold_kernel`, :func:`_topk_split_pos_kernel`,
     :func:`_topk_list_kernel`, which also does the rows it flags); returns the rows' flags ``[rows]``
     int32 (1: the sample misjudged the row; for tests and benchmarks)."""
@@ -240,7 +240,7 @@ def launch_topk(
     (:data:`TOPK_CONFIG`). ``_checked``: the caller (:func:`sparse_mla.indexer.topk._topk`) has
     checked the tensors and made ``out`` and ``kk`` itself, so they are not checked again (~12 µs
     of host time a call)."""
-    cfg = _topk_config(config)
+    cfg = topk_config(config)
     if not _checked:
         _check_topk_launch(logits, lo, hi, out, k, kk, table, page_block_size, next_n)
     require_runnable(
@@ -270,7 +270,7 @@ def launch_topk(
         n_p2 = max(n_p2, 32 * warps)  # every thread holds an entry
         if cfg.split and n >= cfg.split:  # the split path (its list kernel also does the rows it flags)
             scratch = torch.empty((rows, k_p2), dtype=torch.int64, device=logits.device)
-            _launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, page_block_size, next_n,
+            launch_topk_split(logits, lo, hi, out, scratch, k, k_p2, n_p2, bt, slots, page_block_size, next_n,
                                ordered, cfg)  # fmt: skip
             return
         cap = min(n_p2, max(k_p2 * cfg.bisect_cap, k_p2, 32 * warps))

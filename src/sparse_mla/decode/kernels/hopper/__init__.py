@@ -97,26 +97,27 @@ from .config import (
     resolve_narrow_rowsum,
     resolve_narrow_staged_out,
 )
-from .host import _record_alignment, _rows_alignment
 from .host import launch as _launch
+from .host import record_alignment, rows_alignment
 from .kernel import _sparse_decode_gluon_kernel
 
 __all__ = [
     "BLOCK_H",
     "BLOCK_N",
     "CONSUMER_WARPS",
+    "DEFAULT_CONFIG",
     "HopperConfig",
     "launch",
     "resolve_half_stages",
     "resolve_narrow_rowsum",
     "resolve_narrow_staged_out",
     "_cta_barrier",
-    "_record_alignment",
-    "_rows_alignment",
+    "record_alignment",
+    "rows_alignment",
     "_sparse_decode_gluon_kernel",
 ]
 
-_DEFAULT_CONFIG = HopperConfig()  # frozen: one validated instance serves every default call
+DEFAULT_CONFIG = HopperConfig()  # frozen: one validated instance serves every default call
 
 
 def launch(
@@ -127,6 +128,6 @@ def launch(
     max_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel (and the combine when some batch is split): :func:`.host.launch`, with
-    ``config`` None meaning ``_DEFAULT_CONFIG`` (read at each call: benchmarks and tests may
+    ``config`` None meaning ``DEFAULT_CONFIG`` (read at each call: benchmarks and tests may
     replace it). Returns ``out [b, s_q, h_q, 512]`` bf16, ``lse [b, h_q, s_q]`` fp32."""
-    return _launch(p, table, config or _DEFAULT_CONFIG, workspace, max_logits)
+    return _launch(p, table, config or DEFAULT_CONFIG, workspace, max_logits)

@@ -27,7 +27,7 @@ from .kernel import _sparse_decode_gluon_kernel
 __all__ = ["launch"]
 
 
-def _record_alignment(raw: torch.Tensor, is_v32: bool, extra: torch.Tensor | None) -> int:
+def record_alignment(raw: torch.Tensor, is_v32: bool, extra: torch.Tensor | None) -> int:
     """The largest power of two (at most 16) that divides every token record's byte address in the
     caches: the gathers are 16-byte loads when it is 16 (every FlashMLA layout), narrower for views
     whose block or token stride is not (a dense copy of a padded MODEL1 cache: 61 * 584 bytes)."""
@@ -42,7 +42,7 @@ def _record_alignment(raw: torch.Tensor, is_v32: bool, extra: torch.Tensor | Non
     return a
 
 
-def _rows_alignment(kv: torch.Tensor) -> int:
+def rows_alignment(kv: torch.Tensor) -> int:
     """``ALIGN`` of bf16 rows (``KV_BF16``): the largest power of two (at most 16) that divides every
     row's byte address as Triton can know it: 2 when the base pointer is not 16-byte aligned
     (Triton specialises a pointer on 16-byte alignment only), else what the row stride allows."""
@@ -102,12 +102,12 @@ def launch(
         rows = p.k_cache if p.k_cache.shape[0] else q  # s_kv = 0: every index is invalid, nothing is read
         pbs = 1
         cache = (rows, rows.stride(0), 0, p.k_cache.shape[0], 1)
-        align = _rows_alignment(rows)
+        align = rows_alignment(rows)
     else:
         raw = cache_bytes(p.k_cache)
         pbs = raw.shape[1]
         cache = (raw, raw.stride(0), raw.stride(1) if is_v32 else 576, raw.shape[0] * pbs, pbs)
-        align = _record_alignment(raw, is_v32, p.extra_k_cache)
+        align = record_alignment(raw, is_v32, p.extra_k_cache)
     pow2 = pbs & (pbs - 1) == 0
     dummy_i32 = table.acc_rows
     idx = p.indices
