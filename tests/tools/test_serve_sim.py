@@ -261,7 +261,7 @@ def test_cli_unwritable_json_fails_before_the_simulation(tmp_path, where):
 
 
 def test_json_path_problem_leaves_no_file(tmp_path):
-    from sparse_mla.tools.serve_sim import json_path_problem
+    from sparse_mla.tools.serve_sim_cli import json_path_problem
 
     new = tmp_path / "new.json"
     assert json_path_problem(str(new)) is None and not new.exists()

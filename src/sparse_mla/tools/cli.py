@@ -527,7 +527,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve_sim(args: argparse.Namespace) -> int:
     """Decode-loop simulation (``sparse_mla.serve_sim``); 0 = ran and its final check passed."""
-    from .serve_sim import cli_main  # sets TRITON_INTERPRET on the CPU before any kernel import
+    from .serve_sim_cli import cli_main  # sets TRITON_INTERPRET on the CPU before any kernel import
 
     return cli_main(args)
 
@@ -550,8 +550,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
-    from .serve_sim import add_arguments as _serve_sim_arguments
-    from .serve_sim import seed_type
+    from .serve_sim_cli import add_arguments as _serve_sim_arguments
+    from .serve_sim_cli import seed_type
 
     p = argparse.ArgumentParser(
         prog="sparse-mla",
