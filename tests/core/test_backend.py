@@ -109,3 +109,31 @@ def test_indexer_calls_take_backend_and_agree(monkeypatch):
     ):
         with pytest.raises(ValueError, match="^backend: expected 'auto' or one of"):
             call()
+
+
+def test_an_empty_decode_checks_its_backend_too(monkeypatch):
+    monkeypatch.delenv("SPARSE_MLA_BACKEND", raising=False)
+    q = torch.zeros(0, 1, 16, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 64, 1, 656, dtype=torch.uint8)
+    idx = torch.zeros(0, 1, 8, dtype=torch.int32)
+    for bad, err in (("bogus", ValueError), (None, TypeError), (3, TypeError)):
+        meta, _ = flash_mla.get_mla_metadata()
+        with pytest.raises(err, match="^backend: expected"):
+            flash_mla.flash_mla_with_kvcache(
+                q, cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend=bad
+            )
+    meta, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(
+        q, cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend="reference"
+    )
+    assert out.shape == (0, 1, 16, 512) and lse.shape == (0, 16, 1)
+    monkeypatch.setenv("SPARSE_MLA_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="^SPARSE_MLA_BACKEND: expected"):
+        flash_mla.flash_mla_with_kvcache(q, cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
+
+
+def test_a_backend_that_is_not_a_str_is_a_type_error():
+    np = pytest.importorskip("numpy")
+    for bs in SETS:
+        with pytest.raises(TypeError, match="^backend: expected a str"):
+            bs.resolve(_P(), np.array(["auto", "x"]))

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+import triton
 from helpers import make_problem
 
 import sparse_mla as flash_mla
@@ -330,6 +331,10 @@ def test_make_replay_refuses_what_it_cannot_place(log):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(
+    triton.__version__ not in launcher.DIRECT_LAUNCH_TRITON,
+    reason="direct launches need a Triton release they were tested with",
+)
 @pytest.mark.parametrize("feature", FEATURES)
 def test_replayed_kernels_give_the_normal_paths_results(monkeypatch, feature):
     p1 = _problem(seed=12, **FEATURES[feature]).to("cuda")

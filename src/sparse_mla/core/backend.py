@@ -144,6 +144,8 @@ class BackendSet:
                 serve ``problem`` (the message says why).
         """
         source = "backend"
+        if not isinstance(backend, str):
+            raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
         if backend == "auto":
             override = backend_override()
             if override is not None:

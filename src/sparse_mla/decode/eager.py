@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core.env import on_tensor_device, use_triton
-from .backends import run_decode
+from .backends import resolve_backend, run_decode
 from .op import D_V, call_sparse_decode_op, traced_sparse_decode
 from .plan import DecodePlan, FlashMLASchedMeta, check_sched_meta, ensure_plan
 from .problem import (
@@ -134,6 +134,7 @@ def decode(
         extra_topk_length=extra_topk_length, out=out, lse=lse,
     )  # fmt: skip
     if is_empty(p):
+        resolve_backend(p, backend)  # checked on an empty step too (no plan is made for it)
         return empty_outputs(p)
     plan = ensure_plan(tile_scheduler_metadata, p, backend)
     if through_op:

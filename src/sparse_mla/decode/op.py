@@ -155,6 +155,7 @@ def _sparse_decode_op(
         extra_topk_length=extra_topk_length,
     )
     if is_empty(p):
+        resolve_backend(p, backend)  # checked on an empty step too
         return empty_outputs(p)
     _check_sched_tensors(q, tile_scheduler_metadata, acc_rows, main_blocks, num_blocks)
     b = q.shape[0]
