@@ -137,3 +137,16 @@ def test_a_backend_that_is_not_a_str_is_a_type_error():
     for bs in SETS:
         with pytest.raises(TypeError, match="^backend: expected a str"):
             bs.resolve(_P(), np.array(["auto", "x"]))
+
+
+def test_a_decode_backend_that_is_not_a_str_is_a_type_error(monkeypatch):
+    np = pytest.importorskip("numpy")
+    monkeypatch.delenv("SPARSE_MLA_BACKEND", raising=False)
+    q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 64, 1, 656, dtype=torch.uint8)
+    idx = torch.zeros(1, 1, 8, dtype=torch.int32)
+    meta, _ = flash_mla.get_mla_metadata()
+    with pytest.raises(TypeError, match="^backend: expected a str"):
+        flash_mla.flash_mla_with_kvcache(
+            q, cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend=np.array(["auto", "x"])
+        )

@@ -152,7 +152,7 @@ class BackendSet:
                 check_backend_override()
                 if _ALIASES.get(override, override) in self.by_name:
                     backend, source = override, "SPARSE_MLA_BACKEND"
-        if isinstance(backend, str) and backend == "auto":
+        if backend == "auto":
             for name in self.auto_order:
                 b = self.by_name[name]
                 if b.unsupported(problem) is None:
@@ -163,6 +163,16 @@ class BackendSet:
         if reason is not None:
             raise ValueError(f"{source}: the {b.name!r} backend cannot serve this call: it {reason}")
         return b
+
+    def runs_kernels(self, problem: Any, backend: Any = "auto") -> bool:
+        """Whether :meth:`resolve` picks a kernel backend for ``problem`` rather than the PyTorch
+        twin (``reference``): what an operation whose entry points launch their kernels themselves
+        (the indexer, the cache writes) asks.
+
+        Raises:
+            TypeError / ValueError: as :meth:`resolve`.
+        """
+        return self.resolve(problem, backend).name != "reference"
 
 
 def check_backend_override() -> None:

@@ -18,8 +18,8 @@ Kernel modules are imported on first launch, so ``import sparse_mla`` imports no
 
 To add a backend: write its kernel module with a ``launch(p, table, config, workspace) -> (out, lse)``
 (writing into ``p.out``/``p.lse`` when the caller gave them),
-subclass :class:`Backend` here, and put it in :data:`BACKENDS` (and :data:`AUTO_ORDER` if
-"auto" may pick it); the tests in ``tests/decode/test_backends.py`` then run it where it applies.
+subclass :class:`Backend` here, and put it in :data:`DECODE_BACKENDS` (its order is the one
+``"auto"`` tries); the tests in ``tests/decode/test_backends.py`` then run it where it applies.
 """
 
 from __future__ import annotations

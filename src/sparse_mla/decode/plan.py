@@ -267,8 +267,8 @@ def ensure_plan(meta: FlashMLASchedMeta, p: DecodeProblem, backend: str = "auto"
             was filled for.
     """
     check_sched_meta(meta)
-    if backend != "auto":
-        get_backend(backend)  # an unknown name is named as such, not as another configuration
+    if not isinstance(backend, str) or backend != "auto":
+        get_backend(backend)  # a non-str or an unknown name is named as such, not as another configuration
     num_sms = meta.num_sms or _device_num_sms(p.q.device)
     cfg = _config_of(p, num_sms, backend)
     if meta.have_initialized:

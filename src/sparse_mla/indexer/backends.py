@@ -2,24 +2,14 @@
 (:mod:`sparse_mla.core.backend`): ``portable`` (the Triton kernels of :mod:`.kernels`: any GPU
 Triton supports, with tensor-memory copies and e4m3 tensor-core dots where the GPU has them, and
 the CPU under ``TRITON_INTERPRET=1``), else ``reference`` (the PyTorch twins of :mod:`.reference`;
-bit-identical results). A call's problem is the device its tensors are on."""
+bit-identical results). A call's problem is the device its tensors are on; its entry points ask
+:meth:`~sparse_mla.core.backend.BackendSet.runs_kernels`."""
 
 from __future__ import annotations
 
-import torch
-
 from ..core.backend import Anywhere, BackendSet, TritonOnly
 
-__all__ = ["INDEXER_BACKENDS", "runs_kernels"]
+__all__ = ["INDEXER_BACKENDS"]
 
 #: the indexer's backends, in the order ``backend="auto"`` tries them
 INDEXER_BACKENDS = BackendSet("indexer", (TritonOnly(), Anywhere()))
-
-
-def runs_kernels(device: torch.device, backend: str = "auto") -> bool:
-    """Whether a call on ``device`` runs the Triton kernels (``portable``) rather than the twins.
-
-    Raises:
-        TypeError / ValueError: an unknown backend, or one that cannot serve ``device``.
-    """
-    return INDEXER_BACKENDS.resolve(device, backend).name == "portable"

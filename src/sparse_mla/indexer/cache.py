@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..core.env import on_tensor_device
-from .backends import runs_kernels
+from .backends import INDEXER_BACKENDS
 from .problem import check_index_cache, check_tensor_arg
 from .reference import dequantize_indexer_cache as _dequantize
 from .reference import indexer_k_quant_and_cache_reference
@@ -81,7 +81,7 @@ def indexer_k_quant_and_cache(
         torch.ops.sparse_mla.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, scale_fmt, backend)
         return
     d = _check_args(k, kv_cache, slot_mapping, scale_fmt)
-    kernels = runs_kernels(kv_cache.device, backend)
+    kernels = INDEXER_BACKENDS.runs_kernels(kv_cache.device, backend)
     n = k.shape[0]
     if n == 0:
         return

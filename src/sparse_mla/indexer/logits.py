@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..core.env import on_tensor_device
-from .backends import runs_kernels
+from .backends import INDEXER_BACKENDS
 from .problem import HEAD_DIMS, INT32_MAX, check_index_cache, check_tensor_arg, type_name
 from .reference import fp8_mqa_logits_reference, fp8_paged_mqa_logits_reference
 
@@ -113,7 +113,7 @@ def fp8_mqa_logits(
     _check_weights(weights, s_q, h, dev, "s_q")
     ks = _check_int_vector(cu_seqlen_ks, "cu_seqlen_ks", s_q, "s_q", dev)
     ke = _check_int_vector(cu_seqlen_ke, "cu_seqlen_ke", s_q, "s_q", dev)
-    kernels = runs_kernels(dev, backend)
+    kernels = INDEXER_BACKENDS.runs_kernels(dev, backend)
     if s_q == 0 or s_kv == 0:
         return torch.full((s_q, s_kv), float("-inf"), dtype=torch.float32, device=dev)
     if not kernels:
@@ -215,7 +215,7 @@ def fp8_paged_mqa_logits(
         raise ValueError(
             f"schedule_meta: made for block_size {int(schedule_meta[0])}, but kv_cache has {kv_cache.shape[1]}"
         )
-    kernels = runs_kernels(dev, backend)
+    kernels = INDEXER_BACKENDS.runs_kernels(dev, backend)
     if b == 0 or max_context_len == 0:
         return torch.full((b * next_n, max_context_len), float("-inf"), dtype=torch.float32, device=dev)
     if not kernels:

@@ -34,7 +34,7 @@ import torch
 from ..core.checks import check_block_table
 from ..core.env import next_pow2, on_tensor_device
 from ..kvcache.reference import abs_indices_to_kvcache_indices
-from .backends import runs_kernels
+from .backends import INDEXER_BACKENDS
 from .problem import INT32_MAX, check_tensor_arg, type_name
 
 __all__ = ["topk_indices", "topk_kvcache_indices", "rank_keys"]
@@ -122,7 +122,7 @@ def _topk(
     dev = logits.device
     lo = _check_range(row_starts, "row_starts", rows, dev)
     hi = _check_range(row_ends, "row_ends", rows, dev)
-    kernels = runs_kernels(dev, backend)
+    kernels = INDEXER_BACKENDS.runs_kernels(dev, backend)
     kk = min(k, n)
     if rows and kk and kernels:  # select, sort, positions (or slots); the kernels clamp lo, hi
         from .kernels import launch_topk

@@ -8,7 +8,7 @@ import torch
 
 from ..core.checks import check_no_self_overlap, check_plain_storage
 from ..core.env import on_tensor_device
-from .backends import runs_kernels
+from .backends import KVCACHE_BACKENDS
 from .problem import check_abs_index_args
 
 __all__ = ["abs_indices_to_kvcache_indices_triton"]
@@ -60,7 +60,7 @@ def abs_indices_to_kvcache_indices_triton(
         check_plain_storage(out, "out")
         check_no_self_overlap(out, "out")
     dev = abs_indices.device
-    kernels = runs_kernels(dev, backend)
+    kernels = KVCACHE_BACKENDS.runs_kernels(dev, backend)
     if out.numel() == 0:
         return out
     if not kernels:

@@ -8,7 +8,7 @@ import torch
 
 from ..core.env import on_tensor_device
 from ..formats import LayoutLike
-from .backends import runs_kernels
+from .backends import KVCACHE_BACKENDS
 from .problem import check_store_args
 
 __all__ = ["quantize_and_store_kv"]
@@ -61,7 +61,7 @@ def quantize_and_store_kv(
         block_t = 1 if n < 1024 else 4
     if isinstance(block_t, bool) or not isinstance(block_t, int) or not 1 <= block_t <= 64 or block_t & (block_t - 1):
         raise ValueError(f"block_t: expected a power of two in [1, 64], got {block_t!r}")
-    kernels = runs_kernels(k_cache.device, backend)
+    kernels = KVCACHE_BACKENDS.runs_kernels(k_cache.device, backend)
     if n == 0 or k_cache.numel() == 0:
         return
     if not kernels:
