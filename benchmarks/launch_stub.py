@@ -25,12 +25,17 @@ import torch
 
 from sparse_mla.core import launcher
 from sparse_mla.decode import backends
-from sparse_mla.decode.kernels import combine, hopper, portable
+from sparse_mla.decode.kernels import combine, hopper, portable, schedule
 
 __all__ = ["stub_compiled_launches", "KERNELS"]
 
 #: the decode path's kernels
-KERNELS = (hopper._sparse_decode_gluon_kernel, portable._sparse_decode_kernel, combine._combine_kernel)
+KERNELS = (
+    hopper._sparse_decode_gluon_kernel,
+    portable._sparse_decode_kernel,
+    combine._combine_kernel,
+    schedule._schedule_kernel,
+)
 
 
 def _plain(a: Any) -> Any:

@@ -186,3 +186,32 @@ def cache_to(k_cache: torch.Tensor, device) -> torch.Tensor:
     flat = torch.empty(0, dtype=torch.uint8, device=raw.device).set_(raw.untyped_storage(), 0, (n,), (1,))
     moved = flat.to(device).as_strided(raw.shape, raw.stride(), raw.storage_offset())
     return moved.view(k_cache.dtype) if k_cache.dtype != torch.uint8 else moved
+
+
+def oracle64(p: Problem, sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse decode of ``p`` in float64, written out from the definition (independent of the
+    library's references but for the dequantisation, exact in fp32): ``(out [b, s_q, h_q, 512],
+    lse [b, h_q, s_q])`` float64 on the CPU; a query with no valid key gets out 0, lse +inf."""
+    from sparse_mla.decode.reference import gather_kv
+
+    q = p.q.double().cpu()
+    d_qk = q.shape[-1]
+    scale = d_qk**-0.5 if sm_scale is None else sm_scale
+    k, valid = gather_kv(p.k_cache.cpu(), p.indices.cpu(), None if p.topk_length is None else p.topk_length.cpu())
+    if p.extra_k_cache is not None:
+        etl = None if p.extra_topk_length is None else p.extra_topk_length.cpu()
+        ke, ve = gather_kv(p.extra_k_cache.cpu(), p.extra_indices.cpu(), etl)
+        k, valid = torch.cat([k, ke], dim=2), torch.cat([valid, ve], dim=2)
+    k = k.double()
+    s = torch.einsum("bshd,bstd->bsht", q, k) * scale
+    s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [b, s_q, h]
+    w = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    out = torch.einsum("bsht,bstd->bshd", w, k[..., :512])
+    if p.attn_sink is not None:
+        sink = p.attn_sink.double().cpu()
+        out = out * torch.sigmoid(lse - sink).unsqueeze(-1)
+    lonely = torch.isneginf(lse)
+    out = torch.where(lonely.unsqueeze(-1), 0.0, out)
+    lse = torch.where(lonely, float("inf"), lse)
+    return out, lse.transpose(1, 2)

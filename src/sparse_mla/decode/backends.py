@@ -30,8 +30,18 @@ import torch
 
 from ..core import backend as core_backend
 from ..core.backend import Anywhere, BackendSet, HopperOnly, TritonOnly, check_backend_override
+from ..core.env import use_triton
 from .problem import DecodeProblem, empty_outputs, finish_outputs, is_empty
-from .scheduler import ScheduleTable, compute_num_sm_parts, hopper_head_tile, small_head_tile
+from .scheduler import (
+    META_FIELDS,
+    ScheduleTable,
+    compute_num_sm_parts,
+    dynamic_acc_rows,
+    hopper_head_tile,
+    length_block_counts,
+    schedule_from_lengths,
+    small_head_tile,
+)
 
 #: ``(o_accum [rows, s_q, h_q, d_v], lse_accum [rows, s_q, h_q])`` fp32 split accumulators
 Workspace = tuple[torch.Tensor, torch.Tensor]
@@ -47,6 +57,8 @@ __all__ = [
     "backend_support",
     "get_backend",
     "run_decode",
+    "dynamic_table",
+    "schedule_lengths",
 ]
 
 
@@ -54,6 +66,10 @@ class Backend(core_backend.Backend):
     """One implementation of the split-KV sparse decode (and its combine): the shared protocol
     (:class:`sparse_mla.core.backend.Backend`: ``name``, ``unsupported(p)``, ``launch``) plus the
     head tile the schedule is sized for."""
+
+    #: whether a schedule made from lengths comes from the PyTorch twin (the reference) rather
+    #: than the Triton kernel (:func:`schedule_lengths`)
+    twin_schedule = False
 
     def heads_per_cta(self, h_q: int) -> int:
         """Query heads one program serves (the schedule has ``ceil(h_q / this)`` programs per
@@ -80,6 +96,8 @@ class Backend(core_backend.Backend):
 
 
 class ReferenceBackend(Anywhere, Backend):
+    twin_schedule = True
+
     def heads_per_cta(self, h_q: int) -> int:
         return small_head_tile(h_q)
 
@@ -163,11 +181,62 @@ def resolve_backend(p: DecodeProblem, backend: str = "auto") -> Backend:
 
 
 def run_decode(
-    p: DecodeProblem, backend: Backend, table: ScheduleTable, config: Any = None, workspace: Workspace | None = None
+    p: DecodeProblem,
+    backend: Backend,
+    table: ScheduleTable,
+    config: Any = None,
+    workspace: Workspace | None = None,
+    own_table: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``backend`` on a validated problem with its schedule (and ``workspace``, None to
     allocate); an empty step (``b = 0`` or ``s_q = 0``) launches nothing and gets empty outputs.
+    A ``dynamic`` table is first remade on the device from this call's lengths
+    (:func:`schedule_lengths`): into ``table``'s own tensors when ``own_table`` (the caller's
+    scheduler object holds them and runs its calls one after another on one stream), else into
+    new ones (a call being captured in a CUDA graph, whose graph may outlive the object).
     Returns ``(out bf16, lse fp32)``."""
     if is_empty(p):
         return empty_outputs(p)
+    if table.dynamic:
+        into = (
+            table
+            if own_table
+            else dynamic_table(table.main_blocks.shape[0], table.num_sm_parts, p.q.device, table.max_pieces)
+        )
+        table = schedule_lengths(p, into, kernel=not backend.twin_schedule)
     return backend.launch(p, table, config, workspace)
+
+
+def dynamic_table(b: int, num_sm_parts: int, device: torch.device, max_pieces: int = 0) -> ScheduleTable:
+    """An unfilled ``dynamic`` :class:`ScheduleTable` (one int32 allocation for all its tensors)."""
+    fields = len(META_FIELDS)
+    buf = torch.empty(num_sm_parts * fields + 4 * b + 2, dtype=torch.int32, device=device)
+    meta, ns, acc, main, nb = torch.split(buf, [num_sm_parts * fields, b + 1, b + 1, b, b])
+    return ScheduleTable(
+        num_sm_parts=num_sm_parts,
+        metadata=meta.view(num_sm_parts, fields),
+        num_splits=ns,
+        main_blocks=main,
+        num_blocks=[],
+        payload=0,
+        num_blocks_t=nb,
+        acc_rows=acc,
+        num_acc_rows=dynamic_acc_rows(b, num_sm_parts),
+        max_pieces=max_pieces,
+        dynamic=True,
+    )
+
+
+def schedule_lengths(p: DecodeProblem, into: ScheduleTable, kernel: bool = True) -> ScheduleTable:
+    """Write the schedule of ``p``'s lengths into ``into`` (a ``dynamic`` table sized for ``p``)
+    and return it: with ``kernel``, the Triton kernel where Triton runs (:mod:`.kernels.schedule`),
+    else its PyTorch twin; neither reads a value on the host."""
+    if kernel and use_triton(p.q.device):
+        from .kernels.schedule import schedule_fwd
+
+        return schedule_fwd(p.topk_length, p.extra_topk_length, p.topk, p.extra_topk, into)
+    main, total = length_block_counts(p.shape[0], p.topk, p.topk_length, p.extra_topk, p.extra_topk_length, p.q.device)
+    made = schedule_from_lengths(main, total, into.num_sm_parts)
+    for name in ("metadata", "num_splits", "acc_rows", "main_blocks", "num_blocks_t"):
+        getattr(into, name).copy_(getattr(made, name))
+    return into

@@ -158,8 +158,8 @@ def _launch_planned(
     p: DecodeProblem, plan: DecodePlan, meta: FlashMLASchedMeta | None = None, fields: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch a validated, non-empty problem with its plan. A call being captured in a CUDA graph
-    takes its workspace from the graph's pool (the graph then outlives the scheduler object);
-    eager calls reuse the plan's.
+    takes its workspace (and a schedule made from lengths) from the graph's pool (the graph then
+    outlives the scheduler object); eager calls reuse the plan's.
 
     With ``meta`` (whose ``call_cache`` describes ``p``) and the call's tensors by field
     (``fields``, the 1-D ones as ``p`` has them), an eager call whose cache entry has no replay
@@ -169,11 +169,11 @@ def _launch_planned(
     workspace = None if capturing else plan.workspace
     entry = None if meta is None else meta.call_cache
     if capturing or entry is None or entry.replay is not None or not use_triton(p.q.device):
-        return run_decode(p, plan.backend, plan.table, workspace=workspace)
+        return run_decode(p, plan.backend, plan.table, workspace=workspace, own_table=not capturing)
     from ..core import launcher
 
     with launcher.recording() as launches:
-        out, lse = run_decode(p, plan.backend, plan.table, workspace=workspace)
+        out, lse = run_decode(p, plan.backend, plan.table, workspace=workspace, own_table=True)
     replay = _make_replay(launches, plan, fields, out, lse)
     # a launch recorded as None (a launch hook, the direct path off) may be replayable next time
     if replay is not None or None not in launches:
@@ -197,7 +197,7 @@ def _make_replay(launches: list, plan: DecodePlan, fields: dict, out: torch.Tens
         if given is None and (buf.dtype != dtype or buf.shape != shape or not buf.is_contiguous()):
             return None  # not what _replay allocates
     t = plan.table
-    fixed = (t.metadata, t.acc_rows, t.main_blocks, t.num_blocks_t, *plan.workspace)
+    fixed = (t.metadata, t.num_splits, t.acc_rows, t.main_blocks, t.num_blocks_t, *plan.workspace)
     return launcher.make_replay(launches, _call_tensors(fields, out, lse), fixed)
 
 

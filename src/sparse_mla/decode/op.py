@@ -11,7 +11,9 @@ in CUDA graphs:
 A custom op cannot take the :class:`~sparse_mla.decode.plan.FlashMLASchedMeta` object, so
 ``sparse_mla::sparse_decode`` takes the scheduler's tensors (``tile_scheduler_metadata``,
 ``acc_rows``, ``main_blocks``, ``num_blocks``), the ``any_split`` flag and the backend's name
-(:func:`schedule_tensors` gives them for a filled scheduler object);
+(:func:`schedule_tensors` gives them for a filled scheduler object). With ``topk_length`` or
+``extra_topk_length`` the op makes the schedule of those lengths on the device, and the tensors
+only give its partition count (``tile_scheduler_metadata.shape[0]``);
 :func:`sparse_mla.decode.eager.sparse_decode` is the convenient entry point.
 :func:`sparse_mla.flash_mla_with_kvcache` calls the op when it is being compiled
 (:func:`traced_sparse_decode`); eager calls skip the dispatcher's overhead and run the same code
@@ -30,7 +32,7 @@ import torch
 
 from ..core.checks import check_no_self_overlap, check_plain_storage
 from ..core.env import use_triton
-from .backends import resolve_backend, run_decode
+from .backends import dynamic_table, resolve_backend, run_decode
 from .plan import DecodePlan, FlashMLASchedMeta, check_plan_belongs, check_sched_meta
 from .problem import (
     DecodeProblem,
@@ -159,7 +161,12 @@ def _sparse_decode_op(
         return empty_outputs(p)
     _check_sched_tensors(q, tile_scheduler_metadata, acc_rows, main_blocks, num_blocks)
     b = q.shape[0]
-    rows = MAX_ACC_ROWS_PER_PART * int(tile_scheduler_metadata.shape[0]) + 1
+    parts = int(tile_scheduler_metadata.shape[0])
+    if topk_length is not None or extra_topk_length is not None:
+        # the schedule of these lengths is made on the device (the tensors give its partition count)
+        table = dynamic_table(b, parts, q.device)
+        return run_decode(p, resolve_backend(p, backend), table, own_table=True)
+    rows = MAX_ACC_ROWS_PER_PART * parts + 1
     extra_topk = 0 if extra_indices is None else extra_indices.shape[2]
     bounded = bound_schedule_tensors(
         tile_scheduler_metadata, acc_rows, main_blocks, num_blocks, b, indices.shape[2], extra_topk, rows
@@ -205,7 +212,7 @@ def _sparse_decode_op(
     # the scheduler, and memory-safe when they did not
     md, ns_t, mb, nb = bounded
     table = ScheduleTable(
-        num_sm_parts=int(tile_scheduler_metadata.shape[0]),
+        num_sm_parts=parts,
         metadata=md,
         num_splits=ns_t,
         main_blocks=mb,

@@ -2,9 +2,10 @@
 (stage 3 of the decode path; step 3 in docs/design.md).
 
 :class:`FlashMLASchedMeta` (FlashMLA 1.0's scheduler object) holds the plan. It is filled on the
-first call of a decode step, which reads ``topk_length`` on the host once, and reused by later
-calls with the same :class:`ScheduleConfig`; those calls do no host synchronisation (CUDA-graph
-safe).
+first call of a decode step and reused by later calls with the same :class:`ScheduleConfig`. No
+call reads a tensor's values on the host (CUDA-graph safe). Without ``topk_length`` the schedule
+depends on the shapes alone; with it, every call remakes the schedule on the device from its own
+lengths, so an object stays right when the lengths change between calls or graph replays.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from typing import Any
 import torch
 
 from ..core.env import cuda_num_sms
-from .backends import AUTO_ORDER, BACKENDS, Backend, Workspace, get_backend, resolve_backend
+from .backends import (
+    AUTO_ORDER,
+    BACKENDS,
+    Backend,
+    Workspace,
+    dynamic_table,
+    get_backend,
+    resolve_backend,
+)
 from .problem import MAX_H_Q, DecodeProblem
 from .scheduler import MAX_ACC_ROWS_PER_PART, ScheduleTable, batch_num_blocks, schedule
 from .workspace import accumulator_bytes, split_accumulators
@@ -87,9 +96,9 @@ class FlashMLASchedMeta:
     """Tile-scheduler state shared by the calls of one decode step (FlashMLA's ``FlashMLASchedMeta``).
 
     Empty until the first :func:`sparse_mla.flash_mla_with_kvcache` call fills it; later calls
-    must have the same :class:`ScheduleConfig`, else ``ValueError``. ``topk_length`` *values* are
-    read only on the first call: a caller whose lengths change must ask :func:`get_mla_metadata`
-    for a new object (as with FlashMLA).
+    must have the same :class:`ScheduleConfig`, else ``ValueError``. The *values* of
+    ``topk_length``/``extra_topk_length`` may change from call to call (FlashMLA asks for a new
+    object then): each call schedules its own lengths on the device.
 
     The object also holds the split-KV workspace of the step (``workspace_bytes``; at most
     :func:`decode_workspace_bytes`), allocated by the first call and reused by every later eager
@@ -185,7 +194,10 @@ def _config_of(p: DecodeProblem, num_sms: int, backend: str) -> ScheduleConfig:
 
 
 def plan_decode(p: DecodeProblem, num_sms: int | None = None, backend: str = "auto") -> DecodePlan:
-    """Choose the backend for ``p`` and make its schedule (reads ``topk_length`` on the host once).
+    """Choose the backend for ``p`` and make its schedule: on the host from the shapes, or, when
+    ``p`` has ``topk_length``/``extra_topk_length``, a ``dynamic`` schedule that every call remakes
+    on the device from its lengths (:func:`sparse_mla.decode.backends.run_decode`). No host read of
+    a tensor's values.
 
     Args:
         p: a validated problem (not empty).
@@ -195,10 +207,13 @@ def plan_decode(p: DecodeProblem, num_sms: int | None = None, backend: str = "au
     chosen = resolve_backend(p, backend)
     b, s_q, h_q, _ = p.shape
     num_sms = num_sms or _device_num_sms(p.q.device)
-    tl_host = None if p.topk_length is None else p.topk_length.tolist()
-    etl_host = None if p.extra_topk_length is None else p.extra_topk_length.tolist()
-    main, total = batch_num_blocks(b, p.topk, tl_host, p.extra_topk, etl_host)
-    table = schedule(total, chosen.num_sm_parts(num_sms, s_q, h_q), main_blocks=main).to(p.q.device)
+    parts = chosen.num_sm_parts(num_sms, s_q, h_q)
+    main, total = batch_num_blocks(b, p.topk, None, p.extra_topk, None)
+    full = schedule(total, parts, main_blocks=main)  # every batch at its full topk (and extra_topk)
+    if p.topk_length is None and p.extra_topk_length is None:
+        table = full.to(p.q.device)
+    else:  # made on the device by every call from its own lengths (run_decode)
+        table = dynamic_table(b, parts, p.q.device, full.max_pieces)
     workspace = split_accumulators(table.num_acc_rows, s_q, h_q, p.d_v, p.q.device)
     return DecodePlan(chosen, table, workspace, _config_of(p, num_sms, backend))
 

@@ -230,10 +230,11 @@ def sparse_decode_split_reference(
     l_acc = torch.full((rows, s_q, h_q), float("nan"), device=q.device)
     ns = sched.acc_rows.tolist()
     mb = sched.main_blocks.tolist()
+    nb = sched.num_blocks_t.tolist()
     for r in sched.rows():
         for req in range(r["begin_req"], r["end_req"] + 1):
             blk0 = r["begin_block"] if req == r["begin_req"] else 0
-            blk1 = r["end_block"] if req == r["end_req"] else sched.num_blocks[req]
+            blk1 = r["end_block"] if req == r["end_req"] else nb[req]
             split = r["begin_split"] if req == r["begin_req"] else 0
             cols = []
             for k in range(blk0, blk1):

@@ -25,6 +25,19 @@ The fp32 split accumulators hold rows for split batches only: ``acc_rows`` is th
 live at rows ``acc_rows[i] .. acc_rows[i+1]-1`` and the accumulators need ``acc_rows[b]`` rows,
 at most ``2 * num_sm_parts`` whatever ``b`` and ``s_q`` (a partition holds at most two pieces of
 split batches: its first and its last): :data:`MAX_ACC_ROWS_PER_PART`.
+
+**Schedules that follow ``topk_length``.** Without ``topk_length``/``extra_topk_length`` every
+batch has the same work and the schedule above depends only on the shapes: it is made once, on the
+host. With lengths the work of each batch is only known on the device, and it changes from step to
+step; the schedule is then made on the device by every call, in the same stream order as the
+kernels that read it (:func:`schedule_from_lengths` is the PyTorch twin of the Triton kernel
+:mod:`sparse_mla.decode.kernels.schedule`): no host synchronisation, the same in a CUDA graph,
+right whatever the lengths of the step. Its partition is computed per partition in parallel: the
+batches' costs ``n_i + 5`` laid end to end form a line of length ``T``; partition ``p`` takes
+the blocks whose positions lie in ``[p * P, (p + 1) * P)`` with ``P = ceil(T / num_sm_parts)``
+(block ``k`` of batch ``i`` sits at ``C_i + 5 + k``, ``C_i`` the cost of the batches before it),
+so it does at most ``P + 5`` blocks of work, the bound of the greedy fill. A partition whose
+range holds only a batch's overhead is idle.
 """
 
 from __future__ import annotations
@@ -45,6 +58,9 @@ __all__ = [
     "hopper_head_tile",
     "batch_num_blocks",
     "schedule",
+    "length_block_counts",
+    "schedule_from_lengths",
+    "dynamic_acc_rows",
 ]
 
 TOPK_BLOCK_SIZE = 64
@@ -139,7 +155,10 @@ class ScheduleTable:
             split batch, 0 for the others).
         num_acc_rows: ``acc_rows[b]``, the accumulator rows the step needs (0 when nothing is split).
         max_pieces: the most pieces of one batch (how many rows the combine merges at most per batch;
-            0: not known).
+            0: not known; for a ``dynamic`` table an estimate, a hint only).
+        dynamic: made on the device from ``topk_length``/``extra_topk_length`` by every call
+            (:func:`schedule_from_lengths`): ``num_blocks`` is then empty and ``payload`` 0 (known
+            on the device only), and ``num_acc_rows`` is the bound :func:`dynamic_acc_rows`.
     """
 
     num_sm_parts: int
@@ -152,6 +171,7 @@ class ScheduleTable:
     acc_rows: torch.Tensor
     num_acc_rows: int
     max_pieces: int = 0
+    dynamic: bool = False
 
     @property
     def any_split(self) -> bool:
@@ -174,6 +194,7 @@ class ScheduleTable:
             self.acc_rows.to(device),
             self.num_acc_rows,
             self.max_pieces,
+            self.dynamic,
         )
 
 
@@ -256,4 +277,96 @@ def schedule(
         acc_rows=torch.tensor(acc, dtype=torch.int32),
         num_acc_rows=acc[-1],
         max_pieces=max(prefix[i + 1] - prefix[i] for i in range(b)) if b else 1,
+    )
+
+
+def dynamic_acc_rows(b: int, num_sm_parts: int) -> int:
+    """Accumulator rows a schedule made from lengths can need at most: ``min(2 * num_sm_parts,
+    b + num_sm_parts - 1)``, 0 for one partition (nothing is ever split)."""
+    return 0 if num_sm_parts == 1 else min(MAX_ACC_ROWS_PER_PART * num_sm_parts, b + num_sm_parts - 1)
+
+
+def length_block_counts(
+    b: int,
+    topk: int,
+    topk_length: torch.Tensor | None,
+    extra_topk: int = 0,
+    extra_topk_length: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`batch_num_blocks` on tensors (no host read): ``(main_blocks, num_blocks)`` int64 ``[b]``."""
+    dev = device if topk_length is None else topk_length.device
+    if topk_length is None:
+        main = torch.full((b,), -(-topk // TOPK_BLOCK_SIZE), dtype=torch.int64, device=dev)
+    else:
+        main = (topk_length.long().clamp(0, topk) + TOPK_BLOCK_SIZE - 1) // TOPK_BLOCK_SIZE
+    if extra_topk_length is None:
+        extra = torch.full_like(main, -(-extra_topk // TOPK_BLOCK_SIZE))
+    else:
+        extra = (extra_topk_length.long().clamp(0, extra_topk) + TOPK_BLOCK_SIZE - 1) // TOPK_BLOCK_SIZE
+    return main, (main + extra).clamp(min=1)
+
+
+def schedule_from_lengths(
+    main_blocks: torch.Tensor,
+    num_blocks: torch.Tensor,
+    num_sm_parts: int,
+    fixed_overhead: int = FIXED_OVERHEAD_NUM_BLOCKS,
+    max_pieces: int = 0,
+) -> ScheduleTable:
+    """The schedule made on the device (module docstring), in PyTorch: the twin of
+    :func:`sparse_mla.decode.kernels.schedule.schedule_fwd`, on the tensors' device, no host read.
+
+    Args:
+        main_blocks, num_blocks: ``[b]`` integer block counts (:func:`length_block_counts`),
+            ``num_blocks >= 1``.
+        num_sm_parts: partitions (>= 1).
+        fixed_overhead: cost of touching one batch, in blocks.
+        max_pieces: the hint the table carries (:attr:`ScheduleTable.max_pieces`).
+
+    Returns:
+        a ``dynamic`` :class:`ScheduleTable` with ``num_acc_rows = dynamic_acc_rows(b, num_sm_parts)``.
+    """
+    b = num_blocks.shape[0]
+    dev = num_blocks.device
+    n = num_blocks.long()
+    cost = n + fixed_overhead
+    c_next = torch.cumsum(cost, 0)
+    c = c_next - cost
+    total = c_next[-1]
+    cap = (total + num_sm_parts - 1) // num_sm_parts
+    start = torch.arange(num_sm_parts, device=dev) * cap
+    end = torch.minimum(start + cap, total)
+    # the batch whose cost span holds the start, and the last one whose blocks begin before the end
+    first = torch.searchsorted(c_next, start, right=True)
+    last = torch.searchsorted(c + fixed_overhead, end) - 1
+    busy = (first <= last) & (start < total)
+    fi, la = first.clamp(max=b - 1), last.clamp(min=0)
+    begin_block = (start - c[fi] - fixed_overhead).clamp(min=0)
+    end_block = torch.minimum(n[la], end - c[la] - fixed_overhead)
+    # the piece of the first batch this is: the partitions before it that hold some of its blocks
+    begin_split = torch.arange(num_sm_parts, device=dev) - (c[fi] + fixed_overhead) // cap
+    idle = torch.tensor([b, b - 1, 0, 0, 0, 0, 0, 0], device=dev)
+    rows = torch.stack(
+        [fi, la, begin_block, end_block, begin_split, (begin_split > 0).long(), (end_block < n[la]).long(),
+         torch.zeros_like(fi)], dim=1,
+    )  # fmt: skip
+    meta = torch.where(busy[:, None], rows, idle)
+    pieces = (c_next - 1) // cap - (c + fixed_overhead) // cap + 1
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    num_splits = torch.cat([zero, torch.cumsum(pieces, 0)])
+    acc_rows = torch.cat([zero, torch.cumsum(torch.where(pieces > 1, pieces, 0), 0)])
+    i32 = torch.int32
+    return ScheduleTable(
+        num_sm_parts=num_sm_parts,
+        metadata=meta.to(i32).contiguous(),
+        num_splits=num_splits.to(i32),
+        main_blocks=main_blocks.to(i32).contiguous(),
+        num_blocks=[],
+        payload=0,
+        num_blocks_t=num_blocks.to(i32).contiguous(),
+        acc_rows=acc_rows.to(i32),
+        num_acc_rows=dynamic_acc_rows(b, num_sm_parts),
+        max_pieces=max_pieces,
+        dynamic=True,
     )
