@@ -324,12 +324,52 @@ def test_model1_block_stride_below_its_bytes_is_rejected():
     meta, _ = flash_mla.get_mla_metadata()
     q = torch.randn(1, 1, 16, 512).to(torch.bfloat16)
     idx = torch.zeros(1, 1, 8, dtype=torch.int32)
-    with pytest.raises(ValueError, match="^k_cache: block stride"):
+    with pytest.raises(ValueError, match="^k_cache: MODEL1 block stride"):
         flash_mla.flash_mla_with_kvcache(q, short, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
     with pytest.raises(ValueError, match="^k_cache"):
         flash_mla.quantize_and_store_kv(
             torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long), short
         )
+
+
+@pytest.mark.parametrize("view", ["tokens", "one block", "extra"])
+def test_model1_view_that_slices_tokens_is_rejected(view):
+    """A MODEL1 view that keeps part of each block's tokens has its scale rows where its shape does
+    not say (read as it is, every output is NaN): refused, naming the argument. Whole-block views,
+    the padded pool and its dense copy stay accepted and agree."""
+    _, kc = make_cache("MODEL1", 4, 64, seed=3)
+    q = torch.randn(1, 1, 16, 512).to(torch.bfloat16)
+    idx = torch.randint(0, 32, (1, 1, 32), dtype=torch.int32)
+    sliced = kc[:, :32] if view != "one block" else kc[:1, :32]
+    kw = dict(is_fp8_kvcache=True, backend="reference")
+    if view == "extra":
+        kw.update(extra_k_cache=sliced, extra_indices_in_kvcache=idx, indices=idx)
+        cache, name = kc, "extra_k_cache"
+    else:
+        kw.update(indices=idx)
+        cache, name = sliced, "k_cache"
+    with pytest.raises(ValueError, match=f"^{name}: MODEL1 block stride .* slice whole blocks"):
+        flash_mla.flash_mla_with_kvcache(q, cache, None, None, 512, flash_mla.get_mla_metadata()[0], **kw)
+    with pytest.raises(ValueError, match="^k_cache: MODEL1 block stride"):
+        flash_mla.quantize_and_store_kv(
+            torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long), sliced
+        )
+    outs = []
+    for whole in (kc[:2], kc[:2].clone()):  # whole blocks: the padded pool's stride, and packed
+        out, _ = flash_mla.flash_mla_with_kvcache(
+            q,
+            whole,
+            None,
+            None,
+            512,
+            flash_mla.get_mla_metadata()[0],
+            is_fp8_kvcache=True,
+            indices=idx,
+            backend="reference",
+        )
+        assert torch.isfinite(out.float()).all()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 # ------------------------------------------------------------------ 6. empty steps

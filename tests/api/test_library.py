@@ -66,7 +66,9 @@ def test_sparse_decode_op(layout, num_sms, extras):
     ro, rl = sparse_decode_reference(p.q, p.k_cache, p.indices, None, 512, **p.ref_kwargs())
     check_decode_close(out, lse, ro, rl)
     st = lib.schedule_tensors(meta)
-    assert st["any_split"] == (num_sms == 32)  # many partitions for 2 batches: split, combine runs
+    # many partitions for 2 batches: split, combine runs; with lengths the schedule is made per call
+    # on the device, and the accumulators are sized for the most it can split
+    assert st["any_split"] == (num_sms == 32 or extras)
     kwargs = dict(
         **st,
         sm_scale=get_layout(layout).d_qk ** -0.5,

@@ -13,8 +13,8 @@ Two layouts, both "latent" MLA caches with a single KV head (``h_kv = 1``):
   ``[nope | rope]`` records (576 B each) come first, then all tokens' 8 scale bytes.
   :func:`quantize_k_cache` pads each block to a multiple of 576 bytes as FlashMLA does, so the
   cache tensor is a strided view ``[num_blocks, page_block_size, 1, 584]`` whose block stride is
-  the padded block size; the kernels accept any block stride of at least
-  ``page_block_size * 584`` bytes (a dense copy of the view, too).
+  the padded block size; the kernels accept it and the packed ``page_block_size * 584`` bytes
+  (a dense copy of the view), nothing else (:func:`check_quantized_cache`).
 
 Scales are UE8M0 (powers of two): ``scale = 2^ceil(log2(max(amax / 448, 1e-4)))`` and the stored
 value is ``x / scale`` rounded to e4m3, so dequantisation (``fp8 * scale``) is exact.
@@ -104,7 +104,8 @@ class KVCacheLayout:
         return self.d_nope + self.scale_section_bytes if self.name == "V32" else self.d_nope
 
     def block_bytes(self, page_block_size: int) -> int:
-        """Smallest legal byte stride between page blocks."""
+        """Byte stride between page blocks of the caches :func:`quantize_k_cache` makes (FlashMLA's:
+        V32 packed, MODEL1 padded to a multiple of 576 bytes)."""
         raw = page_block_size * self.bytes_per_token
         if self.name == "V32":
             return raw
@@ -172,12 +173,14 @@ def cache_bytes(k_cache: torch.Tensor) -> torch.Tensor:
 def check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_cache") -> None:
     """Dtype, shape and stride checks of an FP8 cache tensor (raise ``TypeError``/``ValueError`` naming it).
 
-    A MODEL1 block needs ``page_block_size * 584`` bytes; the block stride may be anything at
-    least that (FlashMLA pads blocks to a multiple of 576 B because its kernels need it; ours follow
-    ``stride(0)``, so a dense copy of a padded view, as ``Tensor.to``, ``.clone()`` or
-    functionalization make, is accepted too). A MODEL1 view must keep whole blocks: slicing the
-    tokens inside a block moves the scale rows (they follow ``page_block_size`` token rows), which
-    no stride shows, so such a view passes this check and is read wrongly.
+    A MODEL1 block is ``page_block_size`` 576-byte records followed by their 8-byte scale rows, so
+    its block stride must be one of the two pool layouts: packed, ``page_block_size * 584`` bytes
+    (what ``Tensor.to``, ``.clone()`` or functionalization make of a padded cache), or that padded
+    to a multiple of 576 bytes (FlashMLA's, :meth:`KVCacheLayout.block_bytes`). Any other stride is
+    a ``ValueError``: it is what a view that slices the tokens inside a block has
+    (``k_cache[:, :32]``), whose scale rows are not where its shape says, and whose every read
+    would be wrong. Slice whole blocks (``k_cache[i:j]``) instead. A V32 record holds its own
+    scales: any block stride of at least one block's bytes is accepted.
     """
     if not isinstance(kq, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(kq).__name__}")
@@ -202,6 +205,14 @@ def check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_c
                 f"{name}: MODEL1 blocks must be packed (token stride {lay.bytes_per_token}), got {kq.stride(1)}"
             )
         need = pbs * lay.bytes_per_token
+        allowed = (need, lay.block_bytes(pbs))
+        if kq.stride(0) not in allowed:  # (one block too: k_cache[:1, :n] keeps the stride of the pool)
+            raise ValueError(
+                f"{name}: MODEL1 block stride {kq.stride(0)} bytes is neither page_block_size x 584 = {allowed[0]} "
+                f"(packed) nor that padded to a multiple of 576, {allowed[1]} (FlashMLA's pool): a view that "
+                "slices the tokens inside a block (k_cache[:, :n]) moves its scale rows; slice whole blocks "
+                "(k_cache[i:j]) instead"
+            )
     if kq.shape[0] > 1 and kq.stride(0) < need:
         raise ValueError(f"{name}: block stride {kq.stride(0)} bytes < the {need} bytes one {lay.name} block needs")
     # (the bytes the last block's tokens use, ``need`` from its start, are the view's own last
