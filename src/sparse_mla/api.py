@@ -100,12 +100,14 @@ def flash_mla_with_kvcache(
     Non-finite inputs: a valid key whose score ``q·k`` is NaN or ``+inf`` (inf/NaN in ``q``)
     makes that query head's ``out`` and ``lse`` NaN; a score of ``-inf`` gives its key weight 0.
     A NaN ``attn_sink[h]`` makes head h's ``out`` NaN (lse unchanged); the lonely-query rule
-    (out 0, lse +inf) holds whatever the sink.
+    (out 0, lse +inf) holds whatever the sink. Scores are fp32, whose range bf16 shares: a finite
+    ``q`` near bf16's largest values (|q| ~ 1e38) can make ``q·k`` overflow to ``±inf`` (or NaN
+    from ``inf - inf`` in the sum), and such a score follows the rules above.
 
     Under ``torch.compile`` the call goes straight to the custom op ``torch.ops.sparse_mla.sparse_decode``
     (no graph break), which validates the arguments when it runs; fill the scheduler object with
-    one eager call first (its first call reads ``topk_length`` on the host), and the compiled calls
-    use the backend and schedule of that fill.
+    one eager call first, and the compiled calls use the backend and partitioning of that fill (with
+    ``topk_length`` the schedule of each call's own lengths, made on the device).
 
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape or device, or a
@@ -168,7 +170,8 @@ def flash_mla_sparse_fwd(
         ``out [s_q, h_q, 512]`` bf16; ``max_logits [s_q, h_q]`` fp32, the max of ``q·k·sm_scale``
         over the valid keys; ``lse [s_q, h_q]`` fp32, natural-log logsumexp of the same scores.
         A query head with no valid key gets out 0, lse +inf, max_logits -inf. A NaN or +inf score
-        on a valid key makes that head's out and lse NaN (max_logits is the max, NaN or +inf).
+        on a valid key makes that head's out and lse NaN (max_logits is the max, NaN or +inf);
+        scores are fp32, so a finite ``q`` near bf16's largest values can overflow to such a score.
 
     The call is CUDA-graph safe (no host synchronisation, no allocation but the outputs) and
     under ``torch.compile`` becomes the operator ``torch.ops.sparse_mla.sparse_prefill``.

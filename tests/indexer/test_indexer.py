@@ -829,6 +829,30 @@ def test_topk_sorted_argument():
             flash_mla.topk_kvcache_indices(logits, k, table, pbs, next_n, sorted=bad)
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_topk_k_past_the_row_is_bounded(backend):
+    """``k`` beyond the row pads with -1 up to MAX_PADDED_K; a ``k`` no row can mean (2^31 - 1 on a
+    10-wide row asked for an 8.6 GB output) is a ValueError before anything is allocated."""
+    from sparse_mla.indexer.topk import MAX_PADDED_K
+
+    logits = torch.randn(2, 10, device=DEVICE)
+    table = torch.arange(4, dtype=torch.int32, device=DEVICE).view(2, 2)
+    out = flash_mla.topk_indices(logits, 2048, backend=backend)
+    assert out.shape == (2, 2048) and (out[:, 10:] == -1).all()
+    assert torch.equal(out[:, :10].sort(dim=1).values.cpu(), torch.arange(10, dtype=torch.int32).expand(2, 10))
+    peak = torch.cuda.max_memory_allocated() if ON_GPU else None
+    for k in (MAX_PADDED_K + 1, 2**31 - 1):
+        with pytest.raises(ValueError, match=f"^k: {k} is more than the row's 10 positions"):
+            flash_mla.topk_indices(logits, k, backend=backend)
+        with pytest.raises(ValueError, match="^k: "):
+            flash_mla.topk_kvcache_indices(logits, k, table, 8, backend=backend)
+    if ON_GPU:
+        assert torch.cuda.max_memory_allocated() == peak
+    if backend == "reference" or ON_GPU:  # k up to the row's width is always fine (a long row: slow interpreted)
+        wide = torch.randn(1, MAX_PADDED_K + 5, device=DEVICE)
+        assert flash_mla.topk_indices(wide, MAX_PADDED_K + 1, backend=backend).shape == (1, MAX_PADDED_K + 1)
+
+
 @pytest.mark.parametrize("pbs, next_n, k", [(1, 1, 7), (3, 2, 16), (64, 3, 40)])
 def test_topk_kvcache_indices_match_twin_at_the_table_edges(pbs, next_n, k):
     # the fused slot map against topk + abs_indices_to_kvcache_indices: positions past the block

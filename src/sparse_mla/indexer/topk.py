@@ -37,9 +37,13 @@ from ..kvcache.reference import abs_indices_to_kvcache_indices
 from .backends import INDEXER_BACKENDS
 from .problem import INT32_MAX, check_tensor_arg, type_name
 
-__all__ = ["topk_indices", "topk_kvcache_indices", "rank_keys"]
+__all__ = ["topk_indices", "topk_kvcache_indices", "rank_keys", "MAX_PADDED_K"]
 
 _LOW = (1 << 32) - 1
+
+#: the largest ``k`` accepted beyond a row's width (the output is ``[rows, k]``, ``-1`` past the row):
+#: four times the largest attention topk in use (16384)
+MAX_PADDED_K = 65536
 
 
 def rank_keys(logits: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -80,7 +84,9 @@ def topk_indices(
 
     Args:
         logits: ``[rows, n]`` fp32 (fp16/bf16 accepted).
-        k: positions per row (>= 1; may exceed ``n``).
+        k: positions per row (>= 1). It may exceed ``n`` up to :data:`MAX_PADDED_K` (an attention's
+            topk over a short context: the row is padded with ``-1``); a ``k`` above both is a
+            ``ValueError`` before anything is allocated.
         row_starts, row_ends: optional ``[rows]`` int32/int64: row ``r``'s candidates are
             positions ``row_starts[r] <= j < row_ends[r]`` (clamped to ``[0, n]``).
         sorted: True: the positions in rank order. False: the same set in no set order (the
@@ -119,6 +125,11 @@ def _topk(
     ``ordered`` False lets the kernels leave their sort out."""
     check_tensor_arg(logits, "logits", (torch.float32, torch.float16, torch.bfloat16), 2)  # CPU or CUDA
     rows, n = logits.shape
+    if k > max(n, MAX_PADDED_K):
+        raise ValueError(
+            f"k: {k} is more than the row's {n} positions and than {MAX_PADDED_K}, the most a row is padded to "
+            "with -1 (an attention's topk over a short context)"
+        )
     dev = logits.device
     lo = _check_range(row_starts, "row_starts", rows, dev)
     hi = _check_range(row_ends, "row_ends", rows, dev)
