@@ -324,7 +324,7 @@ def test_model1_block_stride_below_its_bytes_is_rejected():
     meta, _ = flash_mla.get_mla_metadata()
     q = torch.randn(1, 1, 16, 512).to(torch.bfloat16)
     idx = torch.zeros(1, 1, 8, dtype=torch.int32)
-    with pytest.raises(ValueError, match="^k_cache: MODEL1 block stride"):
+    with pytest.raises(ValueError, match="^k_cache: a MODEL1 block"):
         flash_mla.flash_mla_with_kvcache(q, short, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
     with pytest.raises(ValueError, match="^k_cache"):
         flash_mla.quantize_and_store_kv(
@@ -332,15 +332,16 @@ def test_model1_block_stride_below_its_bytes_is_rejected():
         )
 
 
-@pytest.mark.parametrize("view", ["tokens", "one block", "extra"])
+@pytest.mark.parametrize("view", ["tokens", "one block", "extra", "packed half"])
 def test_model1_view_that_slices_tokens_is_rejected(view):
     """A MODEL1 view that keeps part of each block's tokens has its scale rows where its shape does
-    not say (read as it is, every output is NaN): refused, naming the argument. Whole-block views,
-    the padded pool and its dense copy stay accepted and agree."""
+    not say (read as it is, every output is NaN): refused, naming the argument, whether its stride
+    is no pool's (the padded cache sliced) or a two-layer pool's (a packed copy sliced in half: told
+    by the view's base). Whole-block views, the padded pool and its dense copy stay accepted and agree."""
     _, kc = make_cache("MODEL1", 4, 64, seed=3)
     q = torch.randn(1, 1, 16, 512).to(torch.bfloat16)
     idx = torch.randint(0, 32, (1, 1, 32), dtype=torch.int32)
-    sliced = kc[:, :32] if view != "one block" else kc[:1, :32]
+    sliced = {"one block": kc[:1, :32], "packed half": kc.clone()[:, :32]}.get(view, kc[:, :32])
     kw = dict(is_fp8_kvcache=True, backend="reference")
     if view == "extra":
         kw.update(extra_k_cache=sliced, extra_indices_in_kvcache=idx, indices=idx)
@@ -348,25 +349,18 @@ def test_model1_view_that_slices_tokens_is_rejected(view):
     else:
         kw.update(indices=idx)
         cache, name = sliced, "k_cache"
-    with pytest.raises(ValueError, match=f"^{name}: MODEL1 block stride .* slice whole blocks"):
+    with pytest.raises(ValueError, match=f"^{name}: a MODEL1 block of 32 tokens .* slice whole blocks"):
         flash_mla.flash_mla_with_kvcache(q, cache, None, None, 512, flash_mla.get_mla_metadata()[0], **kw)
-    with pytest.raises(ValueError, match="^k_cache: MODEL1 block stride"):
+    with pytest.raises(ValueError, match="^k_cache: a MODEL1 block of 32 tokens"):
         flash_mla.quantize_and_store_kv(
             torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long), sliced
         )
     outs = []
-    for whole in (kc[:2], kc[:2].clone()):  # whole blocks: the padded pool's stride, and packed
+    for whole in (kc[:2], kc[:2].clone(), kc.clone()[1:3]):  # whole blocks: padded, packed, a packed slice
         out, _ = flash_mla.flash_mla_with_kvcache(
-            q,
-            whole,
-            None,
-            None,
-            512,
-            flash_mla.get_mla_metadata()[0],
-            is_fp8_kvcache=True,
-            indices=idx,
+            q, whole, None, None, 512, flash_mla.get_mla_metadata()[0], is_fp8_kvcache=True, indices=idx,
             backend="reference",
-        )
+        )  # fmt: skip
         assert torch.isfinite(out.float()).all()
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
@@ -463,8 +457,8 @@ def test_plain_pytest_runs_the_kernels_on_a_cpu():
             "pytest",
             "-p",
             "no:cacheprovider",
-            "-p",
-            "no:xdist",
+            "-n",
+            "0",
             os.path.join(ROOT, "tests", "decode", "test_kernels.py") + "::test_lonely_queries",
         ],
         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},

@@ -13,8 +13,9 @@ Two layouts, both "latent" MLA caches with a single KV head (``h_kv = 1``):
   ``[nope | rope]`` records (576 B each) come first, then all tokens' 8 scale bytes.
   :func:`quantize_k_cache` pads each block to a multiple of 576 bytes as FlashMLA does, so the
   cache tensor is a strided view ``[num_blocks, page_block_size, 1, 584]`` whose block stride is
-  the padded block size; the kernels accept it and the packed ``page_block_size * 584`` bytes
-  (a dense copy of the view), nothing else (:func:`check_quantized_cache`).
+  the padded block size; the kernels accept a whole multiple of it or of the packed
+  ``page_block_size * 584`` bytes (a dense copy; a pool interleaving layers by block), and refuse
+  a view that slices the tokens inside a block (:func:`check_quantized_cache`).
 
 Scales are UE8M0 (powers of two): ``scale = 2^ceil(log2(max(amax / 448, 1e-4)))`` and the stored
 value is ``x / scale`` rounded to e4m3, so dequantisation (``fp8 * scale``) is exact.
@@ -174,13 +175,16 @@ def check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_c
     """Dtype, shape and stride checks of an FP8 cache tensor (raise ``TypeError``/``ValueError`` naming it).
 
     A MODEL1 block is ``page_block_size`` 576-byte records followed by their 8-byte scale rows, so
-    its block stride must be one of the two pool layouts: packed, ``page_block_size * 584`` bytes
-    (what ``Tensor.to``, ``.clone()`` or functionalization make of a padded cache), or that padded
-    to a multiple of 576 bytes (FlashMLA's, :meth:`KVCacheLayout.block_bytes`). Any other stride is
-    a ``ValueError``: it is what a view that slices the tokens inside a block has
-    (``k_cache[:, :32]``), whose scale rows are not where its shape says, and whose every read
-    would be wrong. Slice whole blocks (``k_cache[i:j]``) instead. A V32 record holds its own
-    scales: any block stride of at least one block's bytes is accepted.
+    its block stride must be that of a pool of such blocks: a whole multiple of the packed
+    ``page_block_size * 584`` bytes (what ``Tensor.to``, ``.clone()`` or functionalization make of
+    a padded cache) or of that padded to a multiple of 576 bytes (FlashMLA's,
+    :meth:`KVCacheLayout.block_bytes`); a multiple ``L > 1`` is one layer of a pool that interleaves
+    ``L`` layers' blocks. A view that slices the tokens inside a block (``k_cache[:, :n]``) has its
+    scale rows where its shape does not say, and every read of it would be wrong: refused when its
+    stride is none of those, or when it is a view of a 4-D cache with more tokens a block (a packed
+    pool sliced to a divisor of its page size has a multiple's stride). Slice whole blocks
+    (``k_cache[i:j]``) instead. A V32 record holds its own scales: any block stride of at least one
+    block's bytes is accepted.
     """
     if not isinstance(kq, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(kq).__name__}")
@@ -205,18 +209,26 @@ def check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_c
                 f"{name}: MODEL1 blocks must be packed (token stride {lay.bytes_per_token}), got {kq.stride(1)}"
             )
         need = pbs * lay.bytes_per_token
-        allowed = (need, lay.block_bytes(pbs))
-        if kq.stride(0) not in allowed:  # (one block too: k_cache[:1, :n] keeps the stride of the pool)
-            raise ValueError(
-                f"{name}: MODEL1 block stride {kq.stride(0)} bytes is neither page_block_size x 584 = {allowed[0]} "
-                f"(packed) nor that padded to a multiple of 576, {allowed[1]} (FlashMLA's pool): a view that "
-                "slices the tokens inside a block (k_cache[:, :n]) moves its scale rows; slice whole blocks "
-                "(k_cache[i:j]) instead"
-            )
+        _check_model1_blocks(kq, pbs, need, lay.block_bytes(pbs), name)
     if kq.shape[0] > 1 and kq.stride(0) < need:
         raise ValueError(f"{name}: block stride {kq.stride(0)} bytes < the {need} bytes one {lay.name} block needs")
     # (the bytes the last block's tokens use, ``need`` from its start, are the view's own last
     # bytes: check_plain_storage above checked that they lie inside the storage)
+
+
+def _check_model1_blocks(kq: torch.Tensor, pbs: int, packed: int, padded: int, name: str) -> None:
+    """A MODEL1 cache's blocks are whole (:func:`check_quantized_cache`), else ``ValueError``."""
+    stride = kq.stride(0)  # (one block too: k_cache[:1, :n] keeps the stride of its pool)
+    base = kq._base  # a view's base: a 4-D cache with more tokens a block means a token slice
+    sliced = base is not None and base.dim() == 4 and base.shape[1] > pbs and base.shape[3] == kq.shape[3]
+    if sliced or stride <= 0 or (stride % packed and stride % padded):
+        raise ValueError(
+            f"{name}: a MODEL1 block of {pbs} tokens starts every {stride} bytes, which is not a whole number of "
+            f"pool blocks of page_block_size x 584 = {packed} (packed) or {padded} bytes (padded to a multiple of "
+            f"576, FlashMLA's){' and it is a view of a cache of ' + str(base.shape[1]) + ' tokens a block' if sliced else ''}"
+            ": a view that slices the tokens inside a block (k_cache[:, :n]) has its scale rows elsewhere; "
+            "slice whole blocks (k_cache[i:j]) instead"
+        )
 
 
 def check_cache_alignment(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_cache") -> None:
