@@ -289,10 +289,13 @@ def test_bad_seed_is_a_usage_error_naming_it(command, seed, capsys, monkeypatch)
 
 def test_sizes_the_machine_cannot_allocate_exit_2_with_one_line(capsys):
     # (before: a DefaultCPUAllocator traceback and exit 1, the "check failed" status)
-    rc = cli.main(["serve-sim", "--batch", str(10**12), "--no-progress"])
+    # 30000 x 65536 tokens: 1.97e9 cache slots (int32 indices hold them), 1.2 TiB of V32 cache
+    rc = cli.main(["serve-sim", "--batch", "30000", "--max-context", "65536", "--no-progress"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "sparse-mla serve-sim: cannot allocate the requested sizes" in err and "Traceback" not in err
+    # the message says which sizes ask for the memory
+    assert "the largest part: the paged V32 cache (batch 30000 x max_context 65536 in 30720000 pages" in err, err
 
 
 def test_a_bad_backend_variable_exits_2_naming_it(monkeypatch, capsys):

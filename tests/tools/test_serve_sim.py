@@ -223,6 +223,15 @@ def test_cli_no_numpy_warnings_for_blocks_without_valid_keys():
         (["--seed", "-1"], "--seed"),
         (["--indexer", "--index-dim", "20"], "--index-dim"),
         (["--indexer", "--index-heads", "0"], "--index-heads"),
+        (["--indexer", "--index-heads", "129"], "--index-heads"),
+        (["--h-q", "0"], "--h-q"),
+        (["--page-block-size", "-64"], "--page-block-size"),
+        (["--steps", "-3"], "--steps"),
+        (["--min-context", "300"], "--max-context"),  # the default max_context 256 leaves it no room
+        (["--topk", str(2**31)], "--topk"),  # (before: a MemoryError about 9248 GiB, or int32 overflow)
+        (["--max-context", str(2**31)], "--max-context"),
+        (["--batch", "3000000", "--max-context", "1024"], "--batch"),  # 3.1e9 cache slots: past int32
+        (["--index-dim", "64"], "--index-dim"),  # without --indexer it would be ignored
     ],
 )
 def test_cli_usage_errors_exit_2_in_one_line(monkeypatch, capsys, args, option):
@@ -236,6 +245,36 @@ def test_cli_usage_errors_exit_2_in_one_line(monkeypatch, capsys, args, option):
     assert cap.out == ""
     lines = cap.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"sparse-mla serve-sim: error: {option}:"), cap.err
+
+
+@pytest.mark.parametrize("index_dim", ["48", "96", "512", "-16"])
+def test_cli_index_dim_names_the_flag_and_the_accepted_values(monkeypatch, capsys, index_dim):
+    # (before: 48, 80, 96, 112 passed the checks, and the run stopped after its header with
+    # "kv_cache: last dim must be head_dim + 4 with head_dim in (16, 32, 64, 128, 256), got 52";
+    # 256, which the indexer takes, was refused)
+    from sparse_mla.tools import cli
+
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
+    rc = cli.main(["serve-sim", "--device", "cpu", "--no-progress", "--indexer", "--index-dim", index_dim])
+    cap = capsys.readouterr()
+    assert rc == 2 and cap.out == "", cap.out + cap.err
+    assert cap.err == (
+        f"sparse-mla serve-sim: error: --index-dim: expected one of 16, 32, 64, 128, 256 (the indexer kernels' "
+        f"head dims, powers of two; each cached key is index_dim FP8 bytes + a 4-byte scale), got {index_dim}\n"
+    )
+
+
+def test_config_messages_name_fields_or_what_the_caller_calls_them():
+    cfg = ServeSimConfig(indexer=True, index_dim=48)
+    with pytest.raises(ValueError, match="^index_dim: expected one of 16, 32, 64, 128, 256 "):
+        cfg.validate()
+    with pytest.raises(ValueError, match="^--index-dim: expected one of"):
+        cfg.validate(names={"index_dim": "--index-dim"})
+    ServeSimConfig(indexer=True, index_dim=256, index_heads=128).validate()  # the indexer's largest sizes
+    with pytest.raises(
+        ValueError, match="^max_context: 40 leaves no room for min_context 38 .* lower min_context or steps"
+    ):
+        ServeSimConfig(max_context=40, min_context=38, steps=4).validate()
 
 
 def test_cli_argparse_errors_exit_2():

@@ -44,13 +44,17 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from ..decode.plan import MAX_NUM_SMS, get_mla_metadata
+from ..decode.problem import MAX_H_Q
 from ..formats import get_layout, quantize_k_cache
+from ..indexer.logits import MAX_HEADS
+from ..indexer.problem import HEAD_DIMS, INT32_MAX
 
 __all__ = [
     "ServeSimConfig",
@@ -70,6 +74,19 @@ CPU_DEFAULTS = dict(batch=2, topk=64, max_context=256, steps=4, h_q=16, page_blo
 GPU_DEFAULTS = dict(
     batch=64, topk=2048, max_context=32768, steps=200, h_q=128, page_block_size=64, index_heads=64, index_dim=128
 )
+
+
+#: the int fields of :class:`ServeSimConfig`: (least, largest or None, why the largest)
+_INT_FIELDS: dict[str, tuple[int, int | None, str]] = {
+    "batch": (1, None, ""),
+    "topk": (1, INT32_MAX, " (int32 positions)"),
+    "max_context": (1, INT32_MAX, " (int32 positions)"),
+    "steps": (1, None, ""),
+    "page_block_size": (1, None, ""),
+    "h_q": (1, MAX_H_Q, " (the query heads one KV head serves)"),
+    "seed": (0, MAX_SEED, ""),
+    "index_heads": (1, MAX_HEADS, " (indexer query heads)"),
+}
 
 
 @dataclass
@@ -92,7 +109,8 @@ class ServeSimConfig:
         check: verify the last step against the references.
         indexer: pick the top-k with the lightning indexer (its key cache written with each new
             token, paged FP8 logits, top-k as cache slots) instead of random positions.
-        index_heads, index_dim: the indexer's query heads and head dim (DeepSeek-V3.2: 64, 128).
+        index_heads, index_dim: the indexer's query heads (1..128) and head dim (16, 32, 64, 128 or
+            256; DeepSeek-V3.2: 64, 128).
     """
 
     batch: int = CPU_DEFAULTS["batch"]
@@ -112,37 +130,54 @@ class ServeSimConfig:
     index_heads: int = 64
     index_dim: int = 128
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
-        for name in ("batch", "topk", "max_context", "steps", "page_block_size", "h_q", "seed"):
+    def validate(self, names: Mapping[str, str] | None = None) -> None:
+        """Raise ``ValueError`` naming the first bad field.
+
+        Args:
+            names: how the messages call each field (the command line passes its flags,
+                ``{"index_dim": "--index-dim", ...}``); a field not in it keeps its own name.
+        """
+
+        def n(field_name: str) -> str:
+            return (names or {}).get(field_name, field_name)
+
+        for name, (lo, hi, why) in _INT_FIELDS.items():
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and name != "seed") or v < 0 or v > MAX_SEED:
-                raise ValueError(
-                    f"{name}: expected a {'non-negative' if name == 'seed' else 'positive'} int, got {v!r}"
-                )
-        if self.h_q > 128:
-            raise ValueError(f"h_q: must be <= 128, got {self.h_q}")
-        for name in ("index_heads", "index_dim"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 128 or (name == "index_dim" and v % 16):
-                raise ValueError(
-                    f"{name}: expected an int in 1..128{' (a multiple of 16)' if name == 'index_dim' else ''}, got {v!r}"
-                )
-        get_layout(self.layout)
-        if self.cache_dtype not in ("fp8", "uint8"):
-            raise ValueError(f"cache_dtype: expected 'fp8' or 'uint8', got {self.cache_dtype!r}")
-        mc = self.resolved_min_context()
-        if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
-            raise ValueError(f"min_context: expected a positive int, got {self.min_context!r}")
-        if mc + self.steps + 1 > self.max_context:
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+                want = "a positive int" if hi is None else f"an int in [{lo}, {hi}]{why}"
+                raise ValueError(f"{n(name)}: expected {want}, got {v!r}")
+        if isinstance(self.index_dim, bool) or self.index_dim not in HEAD_DIMS:
             raise ValueError(
-                f"max_context: {self.max_context} leaves no room for min_context {mc} plus {self.steps} steps "
-                "and one warm-up step; raise max_context or lower min_context/steps"
+                f"{n('index_dim')}: expected one of {', '.join(map(str, HEAD_DIMS))} (the indexer kernels' head dims, "
+                f"powers of two; each cached key is index_dim FP8 bytes + a 4-byte scale), got {self.index_dim!r}"
             )
+        for name, allowed in (("layout", ("V32", "MODEL1")), ("cache_dtype", ("fp8", "uint8"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{n(name)}: expected {' or '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
+        self._validate_context(n)
         if self.num_sms is not None and (
             isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or not 1 <= self.num_sms <= MAX_NUM_SMS
         ):
-            raise ValueError(f"num_sms: expected an int in [1, {MAX_NUM_SMS}] or None, got {self.num_sms!r}")
+            raise ValueError(f"{n('num_sms')}: expected an int in [1, {MAX_NUM_SMS}] or None, got {self.num_sms!r}")
+
+    def _validate_context(self, n: Callable[[str], str]) -> None:
+        """``min_context``, and the contexts' room for the steps and in the int32 cache indices."""
+        mc = self.resolved_min_context()
+        if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
+            raise ValueError(f"{n('min_context')}: expected a positive int, got {self.min_context!r}")
+        if mc + self.steps + 1 > self.max_context:
+            raise ValueError(
+                f"{n('max_context')}: {self.max_context} leaves no room for {n('min_context')} {mc} plus "
+                f"{self.steps} steps ({n('steps')}) and one warm-up step; raise {n('max_context')} or lower "
+                f"{n('min_context')} or {n('steps')}"
+            )
+        slots = self.batch * -(-self.max_context // self.page_block_size) * self.page_block_size
+        if slots > INT32_MAX:
+            raise ValueError(
+                f"{n('batch')}: {self.batch} requests of {n('max_context')} {self.max_context} tokens in pages of "
+                f"{n('page_block_size')} {self.page_block_size} need {slots} cache slots, more than the int32 "
+                "cache indices hold (2^31 - 1)"
+            )
 
     def resolved_min_context(self) -> int:
         return max(1, self.max_context // 8) if self.min_context is None else self.min_context
@@ -215,25 +250,43 @@ def available_host_bytes() -> int | None:
     return avail
 
 
-def _check_fits(host: int, dev: int, device: torch.device) -> None:
+def _check_fits(parts: dict[str, tuple[int, bool]], device: torch.device) -> None:
     """Refuse sizes the machine cannot hold before allocating anything: a machine that overcommits
     memory would otherwise grant the allocation and kill the process when it is touched.
 
+    Args:
+        parts: :meth:`ServeSim.memory_parts`; the message names the largest.
+
     Raises:
-        MemoryError: ``host`` (plus ``dev`` on the CPU) bytes exceed the available host memory, or
-            ``dev`` the free memory of the CUDA device.
+        MemoryError: the host parts (all of them on the CPU) exceed the available host memory, or
+            the device parts the free memory of the CUDA device.
     """
     gib = 2.0**30
+
+    def largest(on_device: bool | None) -> str:
+        what, (b, _) = max(
+            ((w, p) for w, p in parts.items() if on_device is None or p[1] == on_device), key=lambda x: x[1][0]
+        )
+        return f"; the largest part: {what}, {b / gib:.2f} GiB"
+
+    host = sum(b for b, on_device in parts.values() if not on_device)
+    dev = sum(b for b, on_device in parts.values() if on_device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         free, _total = torch.cuda.mem_get_info(index)
         if dev > free:
-            raise MemoryError(f"needs at least {dev / gib:.2f} GiB on cuda:{index}, {free / gib:.2f} GiB free")
+            raise MemoryError(
+                f"needs at least {dev / gib:.2f} GiB on cuda:{index}, {free / gib:.2f} GiB free{largest(True)}"
+            )
+        where = False
     else:
         host += dev
+        where = None
     avail = available_host_bytes()
     if avail is not None and host > avail:
-        raise MemoryError(f"needs at least {host / gib:.2f} GiB of host memory, {avail / gib:.2f} GiB available")
+        raise MemoryError(
+            f"needs at least {host / gib:.2f} GiB of host memory, {avail / gib:.2f} GiB available{largest(where)}"
+        )
 
 
 class ServeSim:
@@ -257,7 +310,7 @@ class ServeSim:
     Raises:
         ValueError: bad config or device.
         MemoryError: the sizes need more memory than the machine has free (checked before anything
-            is allocated, from the lower bounds of :meth:`memory_estimate`).
+            is allocated, from the lower bounds of :meth:`memory_parts`).
     """
 
     def __init__(self, cfg: ServeSimConfig, device: str | torch.device = "cpu") -> None:
@@ -270,7 +323,7 @@ class ServeSim:
             raise ValueError(f"device: expected cpu or cuda, got {self.device}")
         self.lay = get_layout(cfg.layout)
         self.B, self.pbs, self.topk = cfg.batch, cfg.page_block_size, cfg.topk
-        _check_fits(*self.memory_estimate(), self.device)
+        _check_fits(self.memory_parts(), self.device)
         self.use_graph = cfg.use_graph and self.device.type == "cuda"
         g = torch.Generator().manual_seed(cfg.seed)
         self._host_gen = g
@@ -296,21 +349,40 @@ class ServeSim:
         self._allocated = False
 
     def memory_estimate(self) -> tuple[int, int]:
-        """Lower bounds of the bytes this run holds: ``(host, device)``. Host: the page tables and
-        free-block lists while they are built (~48 bytes a block); device: the paged cache(s) and
-        the step's buffers, and on the CPU the decode's gathered keys (``B x topk`` fp32 rows of
-        ``d_qk``: the PyTorch twins and the interpreter gather them; on the CPU both bounds are
-        host memory)."""
-        cfg, lay = self.cfg, self.lay
+        """Lower bounds of the bytes this run holds: ``(host, device)``, the sums of
+        :meth:`memory_parts` (on the CPU both bounds are host memory)."""
+        parts = self.memory_parts().values()
+        return sum(b for b, on_device in parts if not on_device), sum(b for b, on_device in parts if on_device)
+
+    def memory_parts(self) -> dict[str, tuple[int, bool]]:
+        """What the run holds, by part: ``{what (with the sizes behind it): (bytes, on the device)}``.
+
+        Lower bounds. Host: the page tables and free-block lists while they are built (~48 bytes a
+        block). Device: the paged cache(s) and the step's buffers, and on the CPU the decode's
+        gathered keys (``B x topk`` fp32 rows of ``d_qk``: the PyTorch twins and the interpreter
+        gather them)."""
+        cfg, lay, B = self.cfg, self.lay, self.B
         max_blocks = -(-cfg.max_context // self.pbs)
-        blocks = self.B * max_blocks
-        host = blocks * 48 + self.B * 64
-        dev = blocks * lay.block_bytes(self.pbs) + self.B * (cfg.h_q * lay.d_qk * 2 + self.topk * 8)
+        blocks = B * max_blocks
+        cache = f"batch {B} x max_context {cfg.max_context} in {blocks} pages of page_block_size {self.pbs}"
+        parts = {
+            f"page tables ({blocks} pages)": (blocks * 48 + B * 64, False),
+            f"the paged {lay.name} cache ({cache}, {lay.bytes_per_token} B a token)": (
+                blocks * lay.block_bytes(self.pbs),
+                True,
+            ),
+            f"the step's queries and indices (batch {B} x h_q {cfg.h_q}, batch {B} x topk {self.topk})": (
+                B * (cfg.h_q * lay.d_qk * 2 + self.topk * 8),
+                True,
+            ),
+        }
         if self.device.type == "cpu":
-            dev += self.B * self.topk * lay.d_qk * 4
+            what = f"the decode's gathered keys (batch {B} x topk {self.topk} fp32 rows of {lay.d_qk})"
+            parts[what] = (B * self.topk * lay.d_qk * 4, True)
         if cfg.indexer:
-            dev += blocks * self.pbs * (cfg.index_dim + 4) + self.B * cfg.max_context * 4
-        return host, dev
+            what = f"the indexer cache and logits ({cache}, index_dim {cfg.index_dim} + 4 B a token)"
+            parts[what] = (blocks * self.pbs * (cfg.index_dim + 4) + B * cfg.max_context * 4, True)
+        return parts
 
     # ---------------------------------------------------------------- setup
 

@@ -14,7 +14,7 @@ import torch
 
 from .serve_sim import CPU_DEFAULTS, GPU_DEFAULTS, MAX_SEED, ServeSim, ServeSimConfig, default_config
 
-__all__ = ["add_arguments", "cli_main", "json_path_problem", "seed_type", "KERNEL_MODULES"]
+__all__ = ["add_arguments", "cli_main", "json_path_problem", "seed_type", "FLAGS", "KERNEL_MODULES"]
 
 
 def seed_type(text: str) -> int:
@@ -67,12 +67,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="pick the top-k with the lightning indexer (key cache write, FP8 paged logits, top-k as slots)",
     )
-    p.add_argument("--index-heads", type=int, default=None, help="indexer query heads (default CPU 4, CUDA 64)")
-    p.add_argument("--index-dim", type=int, default=None, help="indexer head dim (default CPU 32, CUDA 128)")
+    p.add_argument("--index-heads", type=int, default=None, help="indexer query heads, 1..128 (default CPU 4, CUDA 64)")
+    p.add_argument(
+        "--index-dim",
+        type=int,
+        default=None,
+        help="indexer head dim: 16, 32, 64, 128 or 256 (default CPU 32, CUDA 128)",
+    )
     p.add_argument(
         "--json", metavar="PATH", default=None, help="also write the results (and every step's latency) as JSON"
     )
 
+
+#: the option of each :class:`ServeSimConfig` field (what the error messages call it)
+FLAGS = {name: "--" + name.replace("_", "-") for name in ServeSimConfig.__dataclass_fields__}
+FLAGS.update(use_graph="--no-graph", check="--no-check")
 
 #: the modules a simulation step imports (each needs Triton; on the CPU Triton's interpreter needs NumPy)
 KERNEL_MODULES = (
@@ -110,6 +119,46 @@ def json_path_problem(path: str) -> str | None:
     return None
 
 
+def _config(args: argparse.Namespace, device: torch.device) -> ServeSimConfig:
+    """The simulation's sizes: the options given, the device's defaults for the rest."""
+    return default_config(
+        device,
+        batch=args.batch,
+        topk=args.topk,
+        max_context=args.max_context,
+        min_context=args.min_context,
+        steps=args.steps,
+        page_block_size=args.page_block_size,
+        h_q=args.h_q,
+        layout=args.layout,
+        cache_dtype=args.cache_dtype,
+        use_graph=not args.no_graph,
+        seed=args.seed,
+        num_sms=args.num_sms,
+        check=not args.no_check,
+        indexer=args.indexer,
+        index_heads=args.index_heads,
+        index_dim=args.index_dim,
+    )
+
+
+def _usage_problem(args: argparse.Namespace, cfg: ServeSimConfig) -> str | None:
+    """``None`` when the options make a simulation, else why not (naming the option); checked
+    before anything is allocated or imported from Triton."""
+    for name in ("index_heads", "index_dim"):
+        if getattr(args, name) is not None and not args.indexer:
+            return f"{FLAGS[name]}: applies to the lightning indexer only; add --indexer"
+    try:
+        cfg.validate(names=FLAGS)  # the messages name the options the user typed
+    except ValueError as e:
+        return str(e)
+    if args.json is not None:
+        why = json_path_problem(args.json)
+        if why is not None:
+            return f"--json: {why}"
+    return None
+
+
 def cli_main(args: argparse.Namespace) -> int:
     """Run ``sparse-mla serve-sim``.
 
@@ -130,35 +179,10 @@ def cli_main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    cfg = default_config(
-        device,
-        batch=args.batch,
-        topk=args.topk,
-        max_context=args.max_context,
-        min_context=args.min_context,
-        steps=args.steps,
-        page_block_size=args.page_block_size,
-        h_q=args.h_q,
-        layout=args.layout,
-        cache_dtype=args.cache_dtype,
-        use_graph=not args.no_graph,
-        seed=args.seed,
-        num_sms=args.num_sms,
-        check=not args.no_check,
-        indexer=args.indexer,
-        index_heads=args.index_heads,
-        index_dim=args.index_dim,
-    )
-    try:
-        cfg.validate()
-    except ValueError as e:  # "batch: ..." -> "--batch: ...": name the option the user typed
-        field_name, sep, rest = str(e).partition(": ")
-        opt = "--" + field_name.replace("_", "-")
-        return _error(f"{opt}: {rest}" if sep and field_name in ServeSimConfig.__dataclass_fields__ else str(e))
-    if args.json is not None:
-        why = json_path_problem(args.json)
-        if why is not None:
-            return _error(f"--json: {why}")
+    cfg = _config(args, device)
+    why = _usage_problem(args, cfg)
+    if why is not None:
+        return _error(why)
     why = kernel_import_error(KERNEL_MODULES)
     if why is not None:
         return _error(f"the Triton kernels are not available: {why}")
