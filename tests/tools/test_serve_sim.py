@@ -162,10 +162,108 @@ def test_cli_serve_sim(tmp_path):
         str(out),
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    for fact in ("tokens/s", "p50", "p90", "p99", "PASS", "Triton interpreter", "2/2"):
+    for fact in ("tokens/s", "p50", "p90", "p99", "PASS", "Triton interpreter"):
         assert fact in r.stdout, fact
     res = json.loads(out.read_text())
     assert res["steps"] == 2 and res["layout"] == "MODEL1" and res["check"]["ok"]
+    # the progress goes to stderr (lines: stderr is a pipe here), each with the elapsed time; the
+    # report on stdout starts with its header line, as before (before: the steps' bar was printed
+    # on stdout once the steps had ended, and nothing at all during the prefill and warm-up)
+    assert r.stdout.startswith("serve-sim: B=2 requests, topk=64,"), r.stdout
+    assert "elapsed" not in r.stdout and "step 2/2" not in r.stdout
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("serve-sim: 2 requests x topk 64 = 128 keys read per decode step"), r.stderr
+    for start in (
+        "serve-sim: prefill done in ",
+        "serve-sim: warm-up step done in ",
+        "serve-sim: step 2/2: ",
+        "serve-sim: check against the references done in ",
+    ):
+        line = next((x for x in lines if x.startswith(start)), None)
+        assert line is not None and line.endswith("elapsed]"), (start, r.stderr)
+    assert "2 timed steps at this pace: about" in r.stderr
+
+
+def test_cli_serve_sim_quiet_writes_nothing_on_stderr():
+    for flag in ("--quiet", "-q", "--no-progress"):
+        r = _serve_sim("--device", "cpu", "--steps", "1", "--batch", "1", "--max-context", "64", "--topk", "8", flag)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stderr == "" and "PASS" in r.stdout, (flag, r.stderr)
+
+
+def test_line_progress_thins_fast_steps_and_times_each_line():
+    import io
+
+    from sparse_mla.tools.progress import LineProgress, make_progress
+
+    buf = io.StringIO()
+    assert isinstance(make_progress(buf), LineProgress)  # not a terminal: lines
+    rep = LineProgress(buf)
+    rep.note("sizes")
+    rep.begin("prefill")
+    rep.end("prefill", ": 5 tokens")
+    rep.steps(200)
+    for i in range(200):
+        rep.step(i + 1, 200, 1e-4)
+    lines = buf.getvalue().splitlines()
+    assert lines[:3] == ["serve-sim: sizes", "serve-sim: prefill ...", lines[2]]
+    assert lines[2].startswith("serve-sim: prefill done in ") and ": 5 tokens  [" in lines[2]
+    steps = [x for x in lines if x.startswith("serve-sim: step ")]
+    assert steps[0].startswith("serve-sim: step 1/200: 0.100 ms  [") and "left]" in steps[0]
+    assert steps[-1].startswith("serve-sim: step 200/200: ") and steps[-1].endswith("elapsed]")
+    assert len(steps) < 10  # fast steps: about a line a second, not 200
+    rep.STEP_LINE_INTERVAL = 0.0  # slow steps (longer than the interval): a line each
+    rep.steps(3)
+    for i in range(3):
+        rep.step(i + 1, 3, 2.0)
+    assert sum(x.startswith("serve-sim: step ") and "/3:" in x for x in buf.getvalue().splitlines()) == 3
+
+
+def test_size_notes_say_what_a_step_reads_and_warn_of_padding():
+    notes = ServeSim(ServeSimConfig(batch=2, topk=300, max_context=256, steps=2), "cpu").size_notes()
+    assert notes[0].startswith("2 requests x topk 300 = 600 keys read per decode step (h_q 16); memory: at least ")
+    assert notes[1].startswith("topk 300 > max_context 256: at most 256 of each request's 300 indices are valid")
+    assert len(ServeSim(ServeSimConfig(topk=64, max_context=256), "cpu").size_notes()) == 1
+
+
+@needs_kernels
+def test_run_reports_every_phase_and_step():
+    from sparse_mla.tools.progress import RunProgress
+
+    class Recorder(RunProgress):
+        def __init__(self):
+            self.events = []
+
+        def note(self, text):
+            self.events.append("note")
+
+        def begin(self, what):
+            self.events.append(f"begin {what.split(' (')[0]}")
+
+        def end(self, what, detail=""):
+            self.events.append(f"end {what.split(' (')[0]}")
+
+        def step(self, done, total, seconds):
+            assert seconds > 0
+            self.events.append(f"step {done}/{total}")
+
+        def close(self):
+            self.events.append("close")
+
+    rec = Recorder()
+    ServeSim(default_config("cpu", steps=2, batch=2, max_context=128, seed=1), DEV).run(progress=rec)
+    assert rec.events == [
+        "note",
+        "begin prefill",
+        "end prefill",
+        "begin warm-up step",
+        "end warm-up step",
+        "step 1/2",
+        "step 2/2",
+        "begin check against the references",
+        "end check against the references",
+        "close",
+    ]
 
 
 def test_config_errors():

@@ -46,7 +46,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -55,6 +55,7 @@ from ..decode.problem import MAX_H_Q
 from ..formats import get_layout, quantize_k_cache
 from ..indexer.logits import MAX_HEADS
 from ..indexer.problem import HEAD_DIMS, INT32_MAX
+from .progress import RunProgress, format_bytes, format_seconds, make_progress
 
 __all__ = [
     "ServeSimConfig",
@@ -585,51 +586,91 @@ class ServeSim:
 
     # ---------------------------------------------------------------- the loop
 
-    def run(self, progress: bool = True, console: Any = None) -> dict:
+    def run(self, progress: bool | RunProgress = True, stream: TextIO | None = None) -> dict:
         """Prefill, one warm-up step (+ capture), ``cfg.steps`` timed steps, then the check.
+
+        Args:
+            progress: report the run as it goes (its sizes first, then each phase and step with the
+                elapsed time): ``True`` on ``stream`` (default stderr; a progress bar on a terminal,
+                lines elsewhere, :func:`~sparse_mla.tools.progress.make_progress`), ``False`` for
+                nothing, or a :class:`~sparse_mla.tools.progress.RunProgress` of the caller's.
+            stream: where ``progress=True`` writes.
 
         Returns:
             A dict of the config and results: ``tokens_per_s``, ``p50_ms``/``p90_ms``/``p99_ms``/
             ``mean_ms`` per-step latency, ``graph`` (whether replayed from a CUDA graph),
             ``final_context_min``/``max``, ``check`` (dict, when enabled) and ``device_name``.
         """
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        if isinstance(progress, RunProgress):
+            rep = progress
+        else:
+            rep = make_progress(stream) if progress else RunProgress()
+        try:
+            return self._run(rep)
+        finally:
+            rep.close()
 
+    def size_notes(self) -> list[str]:
+        """What the run holds and does per step, in words (the first lines of its progress)."""
+        cfg = self.cfg
+        parts = self.memory_parts()
+        what, (big, _) = max(parts.items(), key=lambda x: x[1][0])
+        total = sum(b for b, _ in parts.values())
+        notes = [
+            f"{self.B} requests x topk {self.topk} = {self.B * self.topk:,} keys read per decode step "
+            f"(h_q {cfg.h_q}); memory: at least {format_bytes(total)}, of which {what} {format_bytes(big)}"
+        ]
+        if self.topk > cfg.max_context:
+            notes.append(
+                f"topk {self.topk} > max_context {cfg.max_context}: at most {cfg.max_context} of each request's "
+                f"{self.topk} indices are valid and the rest -1, which the decode still walks (its time grows "
+                "with topk)"
+            )
+        return notes
+
+    def _run(self, rep: RunProgress) -> dict:
         cuda = self.device.type == "cuda"
+        for line in self.size_notes():
+            rep.note(line)
+        rep.begin("prefill")
         t0 = time.perf_counter()
         self.prefill()
         if cuda:
             torch.cuda.synchronize()
         prefill_s = time.perf_counter() - t0
+        rep.end("prefill", f": {int(sum(self.ctx_host))} tokens")
+        warm = "warm-up step"
+        if cuda:
+            warm += " (compiles the kernels" + (", captures a CUDA graph)" if self.use_graph else ")")
+        rep.begin(warm)
+        s = time.perf_counter()
         self.step()  # warm-up: compiles the kernels, fills the scheduler metadata
         if self.use_graph:
             self.capture()
+        if cuda:
+            torch.cuda.synchronize()
+            rep.end(warm)
+        else:  # a CPU step costs the same every time: the warm-up tells how long the run takes
+            rest = format_seconds((time.perf_counter() - s) * self.cfg.steps)
+            rep.end(warm, f"; {self.cfg.steps} timed steps at this pace: about {rest}")
         times = StepTimes()
-        cols = [
-            TextColumn("[progress.description]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[lat]}"),
-            TimeRemainingColumn(),
-        ]
-        with Progress(*cols, console=console, disable=not progress, transient=False) as bar:
-            task = bar.add_task("decode steps", total=self.cfg.steps, lat="")
-            for _ in range(self.cfg.steps):
-                if cuda:
-                    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    new = self._host_part()  # block allocation on the host, before the timed region
-                    ev0.record()
-                    self._apply_table_updates(new)
-                    self._device_part()
-                    ev1.record()
-                    ev1.synchronize()
-                    dt = ev0.elapsed_time(ev1) * 1e-3
-                else:
-                    s = time.perf_counter()
-                    self.step()
-                    dt = time.perf_counter() - s
-                times.latencies.append(dt)
-                bar.update(task, advance=1, lat=f"{dt * 1e3:.3f} ms")
+        rep.steps(self.cfg.steps)
+        for i in range(self.cfg.steps):
+            if cuda:
+                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                new = self._host_part()  # block allocation on the host, before the timed region
+                ev0.record()
+                self._apply_table_updates(new)
+                self._device_part()
+                ev1.record()
+                ev1.synchronize()
+                dt = ev0.elapsed_time(ev1) * 1e-3
+            else:
+                s = time.perf_counter()
+                self.step()
+                dt = time.perf_counter() - s
+            times.latencies.append(dt)
+            rep.step(i + 1, self.cfg.steps, dt)
         lat_mean = sum(times.latencies) / len(times.latencies)
         res = dict(asdict(self.cfg))
         res.update(
@@ -650,7 +691,9 @@ class ServeSim:
             latencies_ms=[x * 1e3 for x in times.latencies],
         )
         if self.cfg.check:
+            rep.begin("check against the references")
             res["check"] = self.check_last_step()
+            rep.end("check against the references", ": " + ("ok" if res["check"]["ok"] else "FAILED"))
         return res
 
     # ---------------------------------------------------------------- checks

@@ -59,7 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-graph", action="store_true", help="run the steps eagerly instead of replaying a CUDA graph")
     p.add_argument("--no-check", action="store_true", help="skip the final check against the references")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--quiet",
+        "-q",
+        "--no-progress",
+        dest="quiet",
+        action="store_true",
+        help="no progress on stderr (by default: the sizes, then each phase and step with the elapsed time; "
+        "a bar on a terminal)",
+    )
     p.add_argument("--num-sms", type=int, default=None, help="schedule for this many SMs (default: the device's)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0; range checked with the other sizes)")
     p.add_argument(
@@ -208,7 +216,7 @@ def cli_main(args: argparse.Namespace) -> int:
         f"{cfg.max_context} (growing), {cfg.steps} steps on {device} ({path})"
     )
     with quiet_interpreter():  # NumPy's warnings for masked-out lanes in the interpreter; see common.quiet_interpreter
-        res = sim.run(progress=not args.no_progress, console=console)
+        res = sim.run(progress=not args.quiet)  # on stderr: stdout keeps the report
     what = "indexer cache write + logits + top-k" if cfg.indexer else "index conversion"
     t = Table(title=f"decode loop (store + {what} + sparse decode per step)")
     t.add_column("metric")
