@@ -17,10 +17,12 @@ from __future__ import annotations
 import torch
 
 from .core.env import on_tensor_device
+from .core.traced import defer_argument_error
 from .decode.eager import decode
 from .decode.plan import FlashMLASchedMeta, check_sched_meta, decode_workspace_bytes, get_mla_metadata
+from .decode.problem import decode_output_specs
 from .prefill.backends import run_prefill
-from .prefill.problem import check_prefill_scalars, validate_sparse_prefill
+from .prefill.problem import check_traced_prefill_args, prefill_output_specs, validate_sparse_prefill
 
 __all__ = [
     "FlashMLASchedMeta",
@@ -107,20 +109,28 @@ def flash_mla_with_kvcache(
     Under ``torch.compile`` the call goes straight to the custom op ``torch.ops.sparse_mla.sparse_decode``
     (no graph break), which validates the arguments when it runs; fill the scheduler object with
     one eager call first, and the compiled calls use the backend and partitioning of that fill (with
-    ``topk_length`` the schedule of each call's own lengths, made on the device).
+    ``topk_length`` the schedule of each call's own lengths, made on the device). What the graph
+    fixes (``q``'s dtype and shape, the Python scalars, the scheduler object) is checked while
+    tracing, and a failed check raises the same exception as an eager call when the compiled
+    function runs (``fullgraph=True`` included; :mod:`sparse_mla.core.traced`).
 
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape or device, or a
             ``backend`` that cannot serve the call (the message says why).
         NotImplementedError: the dense path (``indices`` is None).
     """
-    check_sched_meta(tile_scheduler_metadata)
-    if num_splits is not None:
-        raise ValueError("num_splits: must be None (the splits live in tile_scheduler_metadata)")
-    if indices is None:
-        raise NotImplementedError(
-            "dense decode (indices=None) is planned but not implemented yet; pass indices for the sparse path"
-        )
+    try:
+        check_sched_meta(tile_scheduler_metadata)
+        if num_splits is not None:
+            raise ValueError("num_splits: must be None (the splits live in tile_scheduler_metadata)")
+        if indices is None:
+            raise NotImplementedError(
+                "dense decode (indices=None) is planned but not implemented yet; pass indices for the sparse path"
+            )
+    except (TypeError, ValueError, NotImplementedError) as e:
+        if not torch.compiler.is_compiling():
+            raise
+        return defer_argument_error(e, *decode_output_specs(q, indices, k_cache))  # raised when the graph runs
     return decode(
         q, k_cache, indices, tile_scheduler_metadata, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
         is_fp8_kvcache=is_fp8_kvcache, causal=causal, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
@@ -174,16 +184,20 @@ def flash_mla_sparse_fwd(
         scores are fp32, so a finite ``q`` near bf16's largest values can overflow to such a score.
 
     The call is CUDA-graph safe (no host synchronisation, no allocation but the outputs) and
-    under ``torch.compile`` becomes the operator ``torch.ops.sparse_mla.sparse_prefill``.
+    under ``torch.compile`` becomes the operator ``torch.ops.sparse_mla.sparse_prefill``; a bad
+    argument raises the same exception as an eager call when the compiled function runs.
 
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device (the
             message names it), or a backend that cannot run the call.
     """
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors validated when it runs)
-        # the Python scalars are fixed at trace time: check them now (the operator's schema would
-        # turn a bool or a 0-d tensor into a float)
-        check_prefill_scalars(sm_scale, d_v, backend)
+        # q and the Python scalars are fixed at trace time: check them now (the operator's schema
+        # would turn a bool or a 0-d tensor into a float); a failed check raises when the graph runs
+        try:
+            check_traced_prefill_args(q, sm_scale, d_v, backend)
+        except (TypeError, ValueError) as e:
+            return defer_argument_error(e, *prefill_output_specs(q, kv))
         return torch.ops.sparse_mla.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, backend)
     p = validate_sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
     return run_prefill(p, backend)

@@ -1,7 +1,10 @@
 """``torch.ops.sparse_mla.*`` custom ops and their Python entry points, in one namespace. Each op
 lives in its operation's ``op`` module (:mod:`sparse_mla.decode.op`, :mod:`sparse_mla.prefill.op`,
-:mod:`sparse_mla.kvcache.op`, :mod:`sparse_mla.indexer.op`); ``import sparse_mla`` registers them."""
+:mod:`sparse_mla.kvcache.op`, :mod:`sparse_mla.indexer.op`), and ``sparse_mla::argument_error``, which
+raises a traced call's argument error when its graph runs, in :mod:`sparse_mla.core.traced`;
+``import sparse_mla`` registers them."""
 
+from .core.traced import OPS as TRACED_OPS
 from .decode.eager import sparse_decode
 from .decode.op import OPS as DECODE_OPS
 from .decode.op import combine, schedule_tensors
@@ -12,7 +15,7 @@ from .prefill.op import OPS as PREFILL_OPS
 from .prefill.op import sparse_prefill
 
 #: every registered operator name
-OPS = DECODE_OPS + KVCACHE_OPS + PREFILL_OPS + INDEXER_OPS
+OPS = DECODE_OPS + KVCACHE_OPS + PREFILL_OPS + INDEXER_OPS + TRACED_OPS
 
 __all__ = [
     "OPS",

@@ -263,7 +263,10 @@ def test_compiled_decode_checks_what_it_can_trace():
     """Under torch.compile the decode checks, while tracing, what an eager call checks and the
     graph fixes: the scheduler object's configuration (a reused object filled for another shape
     ran that other schedule before), the Python scalars, and out/lse's shape, dtype and device
-    (they were broadcast-filled or cast before)."""
+    (they were broadcast-filled or cast before). A failed check raises the library's own
+    exception, as the eager call does, when the compiled function runs (before: Dynamo's
+    ``torch._dynamo.exc.Unsupported: Observed exception``, the library's message on a line of its
+    middle)."""
     p = to_dev(make_problem(b=2, h_q=16, topk=64, seed=31))
     q, kc, idx = p.q, p.k_cache, p.indices
     meta, _ = flash_mla.get_mla_metadata(num_sms=4)
@@ -279,9 +282,11 @@ def test_compiled_decode_checks_what_it_can_trace():
     o, lse_c = compiled(call, q, kc, idx)  # the configuration it was filled for
     assert torch.equal(o, want_o) and torch.equal(lse_c, want_l)
     longer = torch.cat([idx, idx[..., :36]], dim=-1)  # topk 64 -> 100
-    with pytest.raises(Exception, match="filled for another configuration .*topk 64 -> 100"):
+    with pytest.raises(
+        ValueError, match="^tile_scheduler_metadata: this object was filled for another configuration .*topk 64 -> 100"
+    ):
         compiled(call, q, kc, longer)
-    with pytest.raises(Exception, match="has_topk_length False -> True"):
+    with pytest.raises(ValueError, match="has_topk_length False -> True"):
         compiled(
             lambda q, kc, ix, n: call(q, kc, ix, topk_length=n),
             q,
@@ -289,9 +294,9 @@ def test_compiled_decode_checks_what_it_can_trace():
             idx,
             torch.full((2,), 64, dtype=torch.int32, device=DEV),
         )
-    with pytest.raises(Exception, match="softmax_scale: expected a float or None, got bool"):
+    with pytest.raises(TypeError, match="^softmax_scale: expected a float or None, got bool$"):
         compiled(lambda q, kc, ix: call(q, kc, ix, softmax_scale=True), q, kc, idx)
-    with pytest.raises(Exception, match="head_dim_v: expected 512"):
+    with pytest.raises(ValueError, match="^head_dim_v: expected 512, got 512.0$"):
         compiled(
             lambda q, kc, ix: flash_mla.flash_mla_with_kvcache(
                 q, kc, None, None, 512.0, meta, is_fp8_kvcache=True, indices=ix
@@ -301,9 +306,9 @@ def test_compiled_decode_checks_what_it_can_trace():
             idx,
         )
     bad_out = torch.empty(2, 3, 16, 512, dtype=torch.bfloat16, device=DEV)
-    with pytest.raises(Exception, match=r"out: expected shape \[2, 1, 16, 512\]"):
+    with pytest.raises(ValueError, match=r"^out: expected shape \[2, 1, 16, 512\], got \[2, 3, 16, 512\]$"):
         compiled(lambda q, kc, ix, o: call(q, kc, ix, out=o), q, kc, idx, bad_out)
-    with pytest.raises(Exception, match="lse: expected a torch.float32 tensor"):
+    with pytest.raises(TypeError, match="^lse: expected a torch.float32 tensor$"):
         compiled(
             lambda q, kc, ix, lse_buf: call(q, kc, ix, lse=lse_buf),
             q,
@@ -314,6 +319,78 @@ def test_compiled_decode_checks_what_it_can_trace():
     out = torch.empty(2, 1, 16, 512, dtype=torch.bfloat16, device=DEV)
     o, _ = compiled(lambda q, kc, ix, o: call(q, kc, ix, out=o), q, kc, idx, out)
     assert torch.equal(out, want_o)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"] + (["inductor"] if DEV == "cuda" else []))
+def test_compiled_decode_raises_the_librarys_own_errors(backend):
+    """fullgraph=True: a bad argument gives the exception an eager call gives, its type and its
+    message, not Dynamo's; with dynamic shapes too (a symbolic size or number in the message)."""
+    p = to_dev(make_problem(b=2, h_q=16, topk=64, seed=32))
+    q, kc, idx = p.q, p.k_cache, p.indices
+    meta, _ = flash_mla.get_mla_metadata(num_sms=4)
+    want, _ = flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
+
+    def decode(q, kc, ix, head_dim_v):
+        out, lse = flash_mla.flash_mla_with_kvcache(
+            q, kc, None, None, head_dim_v, meta, is_fp8_kvcache=True, indices=ix
+        )
+        return out.float() * 2, lse  # (an exact op after the decode, whatever the backend)
+
+    def run(*args, dynamic=None, fn=decode):
+        torch._dynamo.reset()
+        return torch.compile(fn, fullgraph=True, backend=backend, dynamic=dynamic)(*args)
+
+    for dynamic in (None, True):
+        with pytest.raises(ValueError, match="^head_dim_v: expected 512, got 256$"):
+            run(q, kc, idx, 256, dynamic=dynamic)
+        with pytest.raises(TypeError, match=r"^q: expected a bf16 tensor \[b, s_q, h_q, d_qk\]$"):
+            run(q.float(), kc, idx, 512, dynamic=dynamic)
+        with pytest.raises(ValueError, match=r"^q: expected 4 dims \[b, s_q, h_q, d_qk\], got shape \[1, 16, 576\]$"):
+            run(q[0], kc, idx, 512, dynamic=dynamic)
+    with pytest.raises(TypeError, match="^tile_scheduler_metadata: expected the FlashMLASchedMeta"):
+        run(q, kc, idx, fn=lambda q, kc, ix: flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, None, indices=ix))
+    with pytest.raises(NotImplementedError, match=r"^dense decode \(indices=None\)"):
+        run(q, kc, fn=lambda q, kc: flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta))
+    # the error is raised even where the call's outputs go unused (the caller reads its out=)
+    out = torch.empty(2, 1, 16, 512, dtype=torch.bfloat16, device=DEV)
+
+    def into(q, kc, ix, o):
+        flash_mla.flash_mla_with_kvcache(q, kc, None, None, 256, meta, is_fp8_kvcache=True, indices=ix, out=o)
+        return o.float().sum()
+
+    with pytest.raises(ValueError, match="^head_dim_v: expected 512, got 256$"):
+        run(q, kc, idx, out, fn=into)
+    # one compiled function: a bad call raises, a good one after it compiles anew and runs
+    torch._dynamo.reset()
+    f = torch.compile(decode, fullgraph=True, backend=backend)
+    for head_dim_v in (256, 512, 300, 512):
+        if head_dim_v != 512:
+            with pytest.raises(ValueError, match=f"^head_dim_v: expected 512, got {head_dim_v}$"):
+                f(q, kc, idx, head_dim_v)
+        else:
+            assert torch.equal(f(q, kc, idx, 512)[0], want.float() * 2)
+
+
+def test_the_argument_error_op_raises_its_exception():
+    cpu = torch.device("cpu")
+    for exc_type, cls in (
+        ("TypeError", TypeError),
+        ("ValueError", ValueError),
+        ("NotImplementedError", NotImplementedError),
+    ):
+        with pytest.raises(cls, match="^q: bad$"):
+            torch.ops.sparse_mla.argument_error(exc_type, "q: bad", [2, 3], torch.float32, cpu)
+    # an exported program must not carry the error: torch.export raises it at once
+    p = to_dev(make_problem(b=2, h_q=16, topk=64, seed=33))
+    meta, _ = flash_mla.get_mla_metadata(num_sms=4)
+    flash_mla.flash_mla_with_kvcache(p.q, p.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=p.indices)
+
+    class Decode(torch.nn.Module):
+        def forward(self, q, kc, ix):
+            return flash_mla.flash_mla_with_kvcache(q, kc, None, None, 256, meta, is_fp8_kvcache=True, indices=ix)
+
+    with pytest.raises(ValueError, match="^head_dim_v: expected 512, got 256$"):
+        torch.export.export(Decode(), (p.q, p.k_cache, p.indices))
 
 
 def test_a_plan_set_by_hand_is_refused():

@@ -467,17 +467,47 @@ def test_misaligned_cache_is_rejected_by_the_decode_too():
 
 
 def test_compiled_call_checks_its_python_numbers():
+    # the library's own exception when the compiled function runs (before: Dynamo's Unsupported
+    # "Observed exception" for the numbers, a TorchRuntimeError "Dynamo failed to run FX node with
+    # fake tensors" for q)
     q, kv, idx, _ = make_case(2, 16, 8, seed=15)
 
     def f(q, kv, idx):
         return flash_mla.flash_mla_sparse_fwd(q, kv, idx, True)[0]
 
-    with pytest.raises(Exception, match="sm_scale: expected a float, got bool"):
+    with pytest.raises(TypeError, match="^sm_scale: expected a float, got bool$"):
         torch.compile(f, fullgraph=True, backend="aot_eager")(q, kv, idx)
-    with pytest.raises(Exception, match="q: expected a 3-D tensor"):
+    with pytest.raises(ValueError, match=r"^q: expected a 3-D tensor, got shape \[16, 576\]$"):
         torch.compile(
             lambda q: flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.1)[0], fullgraph=True, backend="aot_eager"
         )(q[0])
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_call_raises_the_librarys_own_errors(dynamic):
+    q, kv, idx, _ = make_case(2, 16, 8, seed=17)
+
+    def run(fn, *args):
+        torch._dynamo.reset()
+        return torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)(*args)
+
+    def prefill(q, kv, idx, sm_scale, d_v=512):
+        out, _, lse = flash_mla.flash_mla_sparse_fwd(q, kv, idx, sm_scale, d_v)
+        return out.float() * 2, lse
+
+    with pytest.raises(ValueError, match=r"^sm_scale: expected a finite positive float \(as float32\), got -1.0$"):
+        run(prefill, q, kv, idx, -1.0)
+    with pytest.raises(ValueError, match="^d_v: expected 512, got 256$"):
+        run(prefill, q, kv, idx, 0.1, 256)
+    with pytest.raises(TypeError, match="^q: expected dtype torch.bfloat16, got torch.float32$"):
+        run(prefill, q.float(), kv, idx, 0.1)
+    with pytest.raises(ValueError, match=r"^q: h_q must be in \[1, 128\], got shape \[2, 200, 576\]$"):
+        run(prefill, q[:, :1].expand(2, 200, 576).contiguous(), kv, idx, 0.1)
+    # what the operator checks when it runs (indices' shape) was the library's exception already
+    with pytest.raises(ValueError, match=r"^indices: expected shape \[s_q=2, h_kv=1, topk\]"):
+        run(prefill, q, kv, idx[:1], 0.1)
+    got = run(prefill, q, kv, idx, 0.1)
+    assert torch.equal(got[0], prefill(q, kv, idx, 0.1)[0])
 
 
 def test_outputs_never_require_grad():

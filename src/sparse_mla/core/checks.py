@@ -10,6 +10,9 @@ from typing import Any
 import torch
 
 __all__ = [
+    "shown",
+    "shape_of",
+    "shape_text",
     "check_tensor",
     "check_vector",
     "check_scale",
@@ -20,6 +23,30 @@ __all__ = [
     "storage_extent",
     "byte_range",
 ]
+
+
+def shown(value: Any) -> Any:
+    """``value`` for an error message: an int or float as itself, anything else unchanged.
+
+    Under ``torch.compile`` a dynamic size or Python number is symbolic, and Dynamo cannot put a
+    symbolic number into a string (a graph break: ``BUILD_STRING type error``); ``int()`` /
+    ``float()`` read its value instead (specialising the graph of a call that raises anyway)."""
+    if type(value) is int:
+        return int(value)
+    if type(value) is float:
+        return float(value)
+    return value
+
+
+def shape_text(dims: Any) -> str:
+    """``str(list(dims))`` (``"[2, 1, 16, 576]"``) for an error message, symbolic sizes read as their
+    values (:func:`shown`; Dynamo cannot turn a list of them into a string, but joins their texts)."""
+    return "[" + ", ".join(f"{int(n)}" for n in dims) + "]"
+
+
+def shape_of(x: torch.Tensor) -> str:
+    """:func:`shape_text` of ``x.shape``."""
+    return shape_text(x.shape)
 
 
 def check_tensor(
@@ -33,7 +60,7 @@ def check_tensor(
         want = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
     if x.dim() != dim:
-        raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {list(x.shape)}")
+        raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {shape_of(x)}")
     if device is not None and x.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (where {device_of} is), got {x.device}")
     check_plain_storage(x, name)
@@ -58,12 +85,12 @@ def check_scale(value: Any, name: str, expected: str = "a float") -> float:
     try:
         v = float(value)
     except OverflowError:  # an int or Fraction beyond float64
-        raise ValueError(f"{name}: expected a finite positive float (as float32), got {value!r}") from None
+        raise ValueError(f"{name}: expected a finite positive float (as float32), got {shown(value)!r}") from None
     # the kernels take it as float32: it must stay finite and non-zero there too (rounded to
     # nearest even, 2^-150 becomes 0 and the float32 maximum plus half an ulp becomes inf; plain
     # Python, so that torch.compile traces it)
     if not (_F32_ZERO_EDGE < v < _F32_INF_EDGE):
-        raise ValueError(f"{name}: expected a finite positive float (as float32), got {value!r}")
+        raise ValueError(f"{name}: expected a finite positive float (as float32), got {shown(value)!r}")
     return v
 
 

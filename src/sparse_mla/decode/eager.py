@@ -17,13 +17,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core.env import on_tensor_device, use_triton
+from ..core.traced import defer_argument_error
 from .backends import resolve_backend, run_decode
-from .op import D_V, call_sparse_decode_op, traced_sparse_decode
+from .op import D_V, call_sparse_decode_op, check_traced_plan, traced_sparse_decode
 from .plan import DecodePlan, FlashMLASchedMeta, check_sched_meta, ensure_plan
 from .problem import (
     DecodeProblem,
     check_outputs_apart,
     check_traced_decode_args,
+    decode_output_specs,
     empty_outputs,
     into_buffers,
     is_empty,
@@ -90,13 +92,18 @@ def decode(
     validate, plan (first call), launch with the plan's workspace. Compiled, it goes straight to
     the op (:func:`traced_sparse_decode`); eager, through the op only when ``through_op``. The op
     allocates its outputs: a caller's ``out``/``lse`` then get a copy."""
-    check_sched_meta(tile_scheduler_metadata)
     if torch.compiler.is_compiling():
-        sm_scale = check_traced_decode_args(q, indices, head_dim_v, softmax_scale, is_fp8_kvcache, causal, out, lse)
+        try:  # what the graph fixes is checked now; a failed check raises when the graph runs
+            sm_scale = check_traced_decode_args(q, indices, head_dim_v, softmax_scale, is_fp8_kvcache, causal, out, lse)
+            check_traced_plan(q, indices, tile_scheduler_metadata, topk_length, extra_indices_in_kvcache,
+                              extra_topk_length, backend)  # fmt: skip
+        except (TypeError, ValueError) as e:
+            return defer_argument_error(e, *decode_output_specs(q, indices, k_cache))
         return into_buffers(out, lse, *traced_sparse_decode(
             q, k_cache, indices, tile_scheduler_metadata, sm_scale, topk_length, attn_sink, extra_k_cache,
             extra_indices_in_kvcache, extra_topk_length, backend,
         ))  # fmt: skip
+    check_sched_meta(tile_scheduler_metadata)
     # the call's tensors by DecodeProblem field: what the fingerprint covers and a repeated call replaces
     fields = dict(q=q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
                   extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from ..core.checks import check_no_self_overlap, check_plain_storage
+from ..core.checks import check_no_self_overlap, check_plain_storage, shown
 from ..core.env import use_triton
 from .backends import dynamic_table, resolve_backend, run_decode
 from .plan import DecodePlan, FlashMLASchedMeta, check_plan_belongs, check_sched_meta
@@ -48,6 +48,7 @@ __all__ = [
     "schedule_tensors",
     "combine",
     "traced_sparse_decode",
+    "check_traced_plan",
     "call_sparse_decode_op",
     "bound_schedule_tensors",
     "OPS",
@@ -296,25 +297,24 @@ def call_sparse_decode_op(p: DecodeProblem, plan: DecodePlan) -> tuple[torch.Ten
     )
 
 
-def traced_sparse_decode(
+def check_traced_plan(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
     indices: torch.Tensor,
     tile_scheduler_metadata: FlashMLASchedMeta,
-    softmax_scale: Optional[float] = None,
     topk_length: Optional[torch.Tensor] = None,
-    attn_sink: Optional[torch.Tensor] = None,
-    extra_k_cache: Optional[torch.Tensor] = None,
     extra_indices_in_kvcache: Optional[torch.Tensor] = None,
     extra_topk_length: Optional[torch.Tensor] = None,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode as ``torch.compile`` traces it: straight to the custom op, with the plan of an
-    already filled scheduler object, which must have been filled for this call's configuration
-    (shapes, optional arguments, device, backend: compared while tracing, as an eager call does).
-    The op validates every argument when it runs (the checks read storage offsets and sizes, which
-    the tracer cannot follow)."""
-    meta = tile_scheduler_metadata
+) -> DecodePlan:
+    """The plan a traced decode runs: that of an already filled scheduler object, which must have
+    been filled for this call's configuration (shapes, optional arguments, device, backend:
+    compared while tracing, as an eager call does).
+
+    Raises:
+        TypeError: ``tile_scheduler_metadata`` is not a ``FlashMLASchedMeta``.
+        ValueError: it is not filled yet, or was filled for another configuration.
+    """
+    meta = check_sched_meta(tile_scheduler_metadata)
     plan = meta.plan
     if plan is None and meta.config is None:
         raise ValueError(
@@ -329,14 +329,36 @@ def traced_sparse_decode(
         has_extra_topk_length=extra_topk_length is not None, device=str(q.device), backend=backend,
     )  # fmt: skip
     changed = ", ".join(
-        f"{k} {getattr(meta.config, k)!r} -> {v!r}" for k, v in now.items() if getattr(meta.config, k) != v
+        f"{k} {getattr(meta.config, k)!r} -> {shown(v)!r}" for k, v in now.items() if getattr(meta.config, k) != v
     )
     if changed:
         raise ValueError(
             f"tile_scheduler_metadata: this object was filled for another configuration ({changed}); "
             "call get_mla_metadata() again for a new one"
         )
-    sm_scale = d_qk**-0.5 if softmax_scale is None else softmax_scale
+    return plan
+
+
+def traced_sparse_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    softmax_scale: Optional[float] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+    extra_k_cache: Optional[torch.Tensor] = None,
+    extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+    extra_topk_length: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode as ``torch.compile`` traces it: straight to the custom op, with the plan of
+    :func:`check_traced_plan`. The op validates every argument when it runs (the checks read
+    storage offsets and sizes, which the tracer cannot follow)."""
+    plan = check_traced_plan(
+        q, indices, tile_scheduler_metadata, topk_length, extra_indices_in_kvcache, extra_topk_length, backend
+    )
+    sm_scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     return torch.ops.sparse_mla.sparse_decode(
         q,
         k_cache,

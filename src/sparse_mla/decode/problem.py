@@ -13,7 +13,16 @@ from typing import Any
 
 import torch
 
-from ..core.checks import byte_range, check_no_self_overlap, check_scale, check_tensor, check_vector
+from ..core.checks import (
+    byte_range,
+    check_no_self_overlap,
+    check_scale,
+    check_tensor,
+    check_vector,
+    shape_of,
+    shape_text,
+    shown,
+)
 from ..formats import KVCacheLayout, check_cache, get_layout
 
 __all__ = [
@@ -26,6 +35,7 @@ __all__ = [
     "finish_outputs",
     "into_buffers",
     "check_traced_decode_args",
+    "decode_output_specs",
     "MAX_H_Q",
 ]
 
@@ -106,7 +116,7 @@ def _check_q(q: Any) -> KVCacheLayout:
 
 def _check_flags(lay: KVCacheLayout, head_dim_v: Any, is_fp8_kvcache: Any, causal: Any) -> None:
     if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral) or head_dim_v != lay.d_v:
-        raise ValueError(f"head_dim_v: expected {lay.d_v}, got {head_dim_v!r}")
+        raise ValueError(f"head_dim_v: expected {lay.d_v}, got {shown(head_dim_v)!r}")
     if not is_fp8_kvcache:
         raise ValueError(
             "is_fp8_kvcache: the sparse decode (indices given) needs an FP8 cache; pass is_fp8_kvcache=True"
@@ -125,14 +135,14 @@ def check_traced_decode_args(
     if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16:
         raise TypeError("q: expected a bf16 tensor [b, s_q, h_q, d_qk]")
     if q.dim() != 4:
-        raise ValueError(f"q: expected 4 dims [b, s_q, h_q, d_qk], got shape {list(q.shape)}")
+        raise ValueError(f"q: expected 4 dims [b, s_q, h_q, d_qk], got shape {shape_of(q)}")
     b, s_q, h_q, d_qk = q.shape
     if d_qk not in (576, 512):
-        raise ValueError(f"q: head dim d_qk must be 576 (V3.2 layout) or 512 (MODEL1 layout), got {d_qk}")
+        raise ValueError(f"q: head dim d_qk must be 576 (V3.2 layout) or 512 (MODEL1 layout), got {shown(d_qk)}")
     if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32:
         raise TypeError("indices: expected an int32 tensor [b, s_q, topk]")
     if indices.dim() != 3:
-        raise ValueError(f"indices: expected 3 dims [b, s_q, topk], got shape {list(indices.shape)}")
+        raise ValueError(f"indices: expected 3 dims [b, s_q, topk], got shape {shape_of(indices)}")
     lay = get_layout(d_qk)
     _check_flags(lay, head_dim_v, is_fp8_kvcache, causal)
     sm_scale = _sm_scale(softmax_scale, d_qk)
@@ -145,10 +155,25 @@ def check_traced_decode_args(
         if not isinstance(buf, torch.Tensor) or buf.dtype != dtype:
             raise TypeError(f"{name}: expected a {dtype} tensor")
         if tuple(buf.shape) != shape:
-            raise ValueError(f"{name}: expected shape {list(shape)}, got {list(buf.shape)}")
+            raise ValueError(f"{name}: expected shape {shape_text(shape)}, got {shape_of(buf)}")
         if buf.device != q.device:
             raise ValueError(f"{name}: expected a tensor on {q.device} (where q is), got {buf.device}")
     return sm_scale
+
+
+def decode_output_specs(q: Any, indices: Any, k_cache: Any) -> tuple[list, torch.device]:
+    """``([(out's shape, bf16), (lse's shape, fp32)], device)`` of a decode call, for the outputs
+    that stand in for a traced call's whose checks failed: the shapes from ``q`` where it is a 4-D
+    tensor (else empty), the device of the first tensor among ``q``, ``indices``, ``k_cache``
+    (else the CPU)."""
+    dev = torch.device("cpu")
+    for x in (k_cache, indices, q):
+        if isinstance(x, torch.Tensor):
+            dev = x.device
+    b = s_q = h_q = 0
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        b, s_q, h_q, _ = q.shape
+    return [((b, s_q, h_q, 512), torch.bfloat16), ((b, h_q, s_q), torch.float32)], dev
 
 
 def _sm_scale(softmax_scale: Any, d_qk: int) -> float:

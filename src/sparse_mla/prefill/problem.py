@@ -9,11 +9,18 @@ from typing import Any
 
 import torch
 
-from ..core.checks import check_plain_storage, check_scale, check_tensor, check_vector
+from ..core.checks import check_plain_storage, check_scale, check_tensor, check_vector, shape_of, shown
 from ..decode.problem import MAX_H_Q
 from ..formats import KVCacheLayout, check_cache, get_layout
 
-__all__ = ["PrefillProblem", "validate_sparse_prefill", "check_prefill_scalars", "FP8_CACHE_DTYPES"]
+__all__ = [
+    "PrefillProblem",
+    "validate_sparse_prefill",
+    "check_prefill_scalars",
+    "check_traced_prefill_args",
+    "prefill_output_specs",
+    "FP8_CACHE_DTYPES",
+]
 
 #: dtypes of an FP8 paged cache passed as ``kv`` (raw bytes or e4m3)
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
@@ -77,9 +84,9 @@ def _check_q(q: Any) -> KVCacheLayout:
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"q: expected a CPU or CUDA tensor, got one on {q.device}")
     if d_qk not in (576, 512):
-        raise ValueError(f"q: head dim d_qk must be 576 (V3.2) or 512 (MODEL1), got {d_qk}")
+        raise ValueError(f"q: head dim d_qk must be 576 (V3.2) or 512 (MODEL1), got {shown(d_qk)}")
     if not 1 <= h_q <= MAX_H_Q:
-        raise ValueError(f"q: h_q must be in [1, {MAX_H_Q}], got shape {list(q.shape)}")
+        raise ValueError(f"q: h_q must be in [1, {MAX_H_Q}], got shape {shape_of(q)}")
     if q.stride(-1) != 1:
         raise ValueError("q: the last dimension must be contiguous (stride 1)")
     return get_layout(d_qk)
@@ -112,10 +119,32 @@ def check_prefill_scalars(sm_scale: Any, d_v: Any, backend: Any = "auto") -> flo
     ``backend`` (a str); returns ``sm_scale`` as a float."""
     scale = check_scale(sm_scale, "sm_scale")
     if isinstance(d_v, bool) or not isinstance(d_v, numbers.Integral) or d_v != 512:
-        raise ValueError(f"d_v: expected 512, got {d_v!r}")
+        raise ValueError(f"d_v: expected 512, got {shown(d_v)!r}")
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
     return scale
+
+
+def check_traced_prefill_args(q: Any, sm_scale: Any, d_v: Any, backend: Any) -> float:
+    """The prefill's checks that ``torch.compile`` can trace (the rest run in the operator, on the
+    real tensors): ``q`` (its dtype and shape, which the operator's fake implementation reads) and
+    the Python scalars (fixed in the graph); returns ``sm_scale`` as a float."""
+    _check_q(q)
+    return check_prefill_scalars(sm_scale, d_v, backend)
+
+
+def prefill_output_specs(q: Any, kv: Any) -> tuple[list, torch.device]:
+    """``([(out's shape, bf16), (max_logits', fp32), (lse's, fp32)], device)`` of a prefill call,
+    for the outputs that stand in for a traced call's whose checks failed: the shapes from ``q``
+    where it is a 3-D tensor (else empty), the device of ``q`` (else ``kv``'s, else the CPU)."""
+    dev = torch.device("cpu")
+    for x in (kv, q):
+        if isinstance(x, torch.Tensor):
+            dev = x.device
+    s_q = h_q = 0
+    if isinstance(q, torch.Tensor) and q.dim() == 3:
+        s_q, h_q, _ = q.shape
+    return [((s_q, h_q, 512), torch.bfloat16), ((s_q, h_q), torch.float32), ((s_q, h_q), torch.float32)], dev
 
 
 def validate_sparse_prefill(
