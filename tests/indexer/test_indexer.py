@@ -1194,10 +1194,29 @@ def test_operators_opcheck_and_compile():
     got = torch.compile(api_step, fullgraph=True, backend="aot_eager")(k, c1, slots, *args[:1], w, ctx, table, meta)
     want = api_step(k, c2, slots, *args[:1], w, ctx, table, meta)
     assert torch.equal(got, want) and torch.equal(c1, c2)
-    with pytest.raises(Exception, match="k: expected an int"):
-        torch.compile(lambda x: flash_mla.topk_indices(x, True), fullgraph=True, backend="aot_eager")(logits)
-    with pytest.raises(Exception, match="logits: expected a 2-D tensor"):
-        torch.compile(lambda x: flash_mla.topk_indices(x, 3), fullgraph=True, backend="aot_eager")(logits[0])
+
+    # a bad argument raises the library's own exception under fullgraph=True, not Dynamo's
+    def compiled(fn, *a):
+        torch._dynamo.reset()
+        return torch.compile(fn, fullgraph=True, backend="aot_eager")(*a)
+
+    bad_calls = [
+        (ValueError, "^k: expected an int", lambda x: flash_mla.topk_indices(x, True), logits),
+        (TypeError, "^sorted: expected a bool", lambda x: flash_mla.topk_indices(x, 3, sorted=1), logits),
+        (ValueError, "^next_n: expected an int", lambda x: flash_mla.topk_kvcache_indices(x, 3, table, bs, 0), logits),
+        (ValueError, "^logits: rows \\(4\\) must be b \\* next_n", lambda x: flash_mla.topk_kvcache_indices(x, 3, table, bs, 3), logits),
+        (ValueError, "^max_context_len: expected", lambda x: flash_mla.fp8_paged_mqa_logits(x, cache, w, ctx, table, meta, -1), args[0]),
+        (TypeError, "^clean_logits: expected a bool", lambda x: flash_mla.fp8_paged_mqa_logits(x, cache, w, ctx, table, meta, 32, 1), args[0]),
+        (TypeError, "^kv: expected a tuple", lambda x: flash_mla.fp8_mqa_logits(x, cache, w, ctx, ctx), args[0][0]),
+        (ValueError, "^scale_fmt: expected", lambda x: flash_mla.indexer_k_quant_and_cache(x, c1, slots, "e4m3"), k),
+    ]  # fmt: skip
+    for exc, msg, fn, arg in bad_calls:
+        with pytest.raises(exc, match=msg):
+            compiled(fn, arg)
+    with pytest.raises(ValueError, match="^logits: expected a 2-D tensor"):
+        compiled(lambda x: flash_mla.topk_indices(x, 3), logits[0])
+    with pytest.raises(TypeError, match="^q: expected dtype"):
+        compiled(lambda x: flash_mla.fp8_paged_mqa_logits(x, cache, w, ctx, table, meta, 32), args[0].float())
     kvb = random_q((20, d), seed=22)
     sc = torch.rand(20, device=DEVICE)
     r0 = torch.zeros(2, dtype=torch.int32, device=DEVICE)
@@ -1206,6 +1225,27 @@ def test_operators_opcheck_and_compile():
         torch.ops.sparse_mla.fp8_mqa_logits(q[0], kvb, sc, w[:2], r0, r1),
         flash_mla.fp8_mqa_logits(q[0], (kvb, sc), w[:2], r0, r1),
     )
+
+
+def test_index_cache_sliced_by_tokens_is_refused():
+    """A view keeping part of each block's tokens would read and write the scales of other token
+    rows (they follow the block's full page): refused by every call that takes the cache, naming
+    it; whole-block views stay accepted."""
+    nb, bs, d = 4, 16, 64
+    cache = empty_cache(nb, bs, d)
+    k = random_keys(3, d, seed=30)
+    slots = torch.tensor([0, 5, 17], device=DEVICE)
+    for sliced in (cache[:, :8], cache[:1, :8]):
+        with pytest.raises(ValueError, match="^kv_cache: a view of 8 tokens a block of a cache of 16"):
+            flash_mla.indexer_k_quant_and_cache(k[:1], sliced, slots[:1])
+        ctx = torch.tensor([8], dtype=torch.int32, device=DEVICE)
+        meta = flash_mla.get_paged_mqa_logits_metadata(ctx, 8, 132)
+        q = random_q((1, 1, 8, d), seed=31)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+        w = torch.rand(1, 8, device=DEVICE)
+        with pytest.raises(ValueError, match="^kv_cache: a view of 8 tokens"):
+            flash_mla.fp8_paged_mqa_logits(q, sliced, w, ctx, table, meta, 8)
+    flash_mla.indexer_k_quant_and_cache(k, cache[1:3], slots % 32)  # whole blocks: fine
 
 
 def test_nan_query_bytes_give_nan_logits_on_the_default_path():

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["argument_error", "defer_argument_error", "OPS"]
+__all__ = ["argument_error", "defer_argument_error", "deferred_output", "OPS"]
 
 #: the registered operator names
 OPS = ("sparse_mla::argument_error",)
@@ -79,3 +79,12 @@ def defer_argument_error(
     return tuple(
         torch.ops.sparse_mla.argument_error(exc_type, message, list(shape), dtype, device) for shape, dtype in outputs
     )
+
+
+def deferred_output(
+    error: Exception, like: object, shape: Sequence[int], dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """:func:`defer_argument_error` for an operation of one output of ``shape`` and ``dtype``, on
+    the device of ``like`` (the call's first tensor argument; the CPU when it is not a tensor)."""
+    device = like.device if isinstance(like, torch.Tensor) else torch.device("cpu")
+    return defer_argument_error(error, [(shape, dtype)], device)[0]

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..core.env import on_tensor_device
+from ..core.traced import deferred_output
 from .backends import INDEXER_BACKENDS
 from .problem import check_index_cache, check_tensor_arg
 from .reference import dequantize_indexer_cache as _dequantize
@@ -76,8 +77,9 @@ def indexer_k_quant_and_cache(
             a ``backend`` that is unknown or cannot serve the tensors' device.
     """
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
-        if scale_fmt not in SCALE_FMTS:
-            raise ValueError(f"scale_fmt: expected 'ue8m0' or None, got {scale_fmt!r}")
+        if scale_fmt not in SCALE_FMTS:  # fixed while tracing: raised when the graph runs
+            deferred_output(ValueError(f"scale_fmt: expected 'ue8m0' or None, got {scale_fmt!r}"), k, (0,))
+            return
         torch.ops.sparse_mla.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, scale_fmt, backend)
         return
     d = _check_args(k, kv_cache, slot_mapping, scale_fmt)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..core.env import on_tensor_device
+from ..core.traced import deferred_output
 from .backends import INDEXER_BACKENDS
 from .problem import HEAD_DIMS, INT32_MAX, check_index_cache, check_tensor_arg, type_name
 from .reference import fp8_mqa_logits_reference, fp8_paged_mqa_logits_reference
@@ -28,6 +29,16 @@ _FP8 = (torch.float8_e4m3fn,)
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8)
+
+
+def _check_kv_pair(kv: Any) -> None:
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        raise TypeError("kv: expected a tuple (keys [s_kv, D] float8_e4m3fn, key_scales [s_kv] float32)")
+
+
+def _check_max_context_len(n: Any) -> None:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n <= INT32_MAX:
+        raise ValueError(f"max_context_len: expected an int in [0, 2^31 - 1] (key positions), got {n!r}")
 
 
 def _check_bool(x: Any, name: str) -> None:
@@ -90,13 +101,18 @@ def fp8_mqa_logits(
         TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device, or
             a ``backend`` that is unknown or cannot serve the tensors' device.
     """
-    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
-        raise TypeError("kv: expected a tuple (keys [s_kv, D] float8_e4m3fn, key_scales [s_kv] float32)")
-    _check_bool(clean_logits, "clean_logits")
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
+        try:  # what is fixed while tracing: a failed check raises when the graph runs
+            _check_kv_pair(kv)
+            _check_bool(clean_logits, "clean_logits")
+            _check_q(q, 3)
+        except (TypeError, ValueError) as e:
+            return deferred_output(e, q, (0, 0), torch.float32)
         return torch.ops.sparse_mla.fp8_mqa_logits(
             q, kv[0], kv[1], weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, backend
         )
+    _check_kv_pair(kv)
+    _check_bool(clean_logits, "clean_logits")
     h, d = _check_q(q, 3)
     dev = q.device
     s_q = q.shape[0]
@@ -181,18 +197,19 @@ def fp8_paged_mqa_logits(
         TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device, or
             a ``backend`` that is unknown or cannot serve the tensors' device.
     """
-    if (
-        isinstance(max_context_len, bool)
-        or not isinstance(max_context_len, numbers.Integral)
-        or not 0 <= max_context_len <= INT32_MAX
-    ):
-        raise ValueError(f"max_context_len: expected an int in [0, 2^31 - 1] (key positions), got {max_context_len!r}")
-    _check_bool(clean_logits, "clean_logits")
-    max_context_len = int(max_context_len)
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
+        try:  # the scalars are fixed while tracing: a failed check raises when the graph runs
+            _check_max_context_len(max_context_len)
+            _check_bool(clean_logits, "clean_logits")
+            _check_q(q, 4)
+        except (TypeError, ValueError) as e:
+            return deferred_output(e, q, (0, 0), torch.float32)
         return torch.ops.sparse_mla.fp8_paged_mqa_logits(
             q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits, backend
         )
+    _check_max_context_len(max_context_len)
+    _check_bool(clean_logits, "clean_logits")
+    max_context_len = int(max_context_len)
     h, d = _check_q(q, 4)
     dev = q.device
     b, next_n = q.shape[:2]

@@ -41,10 +41,16 @@ def check_index_cache(
     a block's ``block_size * head_dim`` e4m3 bytes, then its ``block_size`` fp32 scales); returns
     ``head_dim``. The block stride may exceed ``block_size * (head_dim + 4)`` (a pool view) but must
     keep the scales 4-byte aligned; tokens inside a block are packed. Slice a cache by blocks, never
-    by tokens inside a block: the scales follow the block's full page of token rows, so a token
-    slice passes these checks (no stride shows it) and is read and written wrongly."""
+    by tokens inside a block: the scales follow the block's full page of token rows, so a view of a
+    4-D cache with more tokens a block is refused (a token slice whose strides alone would pass)."""
     check_tensor_arg(kv_cache, name, (torch.uint8,), 4)
     nb, bs, h_kv, last = kv_cache.shape
+    base = kv_cache._base
+    if base is not None and base.dim() == 4 and base.shape[1] > bs and base.shape[3] == last:
+        raise ValueError(
+            f"{name}: a view of {bs} tokens a block of a cache of {base.shape[1]}: its scales follow the full "
+            "page of token rows, not these; slice whole blocks (kv_cache[i:j]) instead"
+        )
     d = last - 4
     if h_kv != 1:
         raise ValueError(

@@ -33,6 +33,7 @@ import torch
 
 from ..core.checks import check_block_table
 from ..core.env import next_pow2, on_tensor_device
+from ..core.traced import deferred_output
 from ..kvcache.reference import abs_indices_to_kvcache_indices
 from .backends import INDEXER_BACKENDS
 from .problem import INT32_MAX, check_tensor_arg, type_name
@@ -102,10 +103,16 @@ def topk_indices(
         TypeError / ValueError: an argument of the wrong type, dtype, shape or device, or a
             ``backend`` that is unknown or cannot serve the tensors' device.
     """
+    if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
+        try:  # the scalars, dtype and dims are fixed while tracing: a failed check raises when the graph runs
+            _check_k(k)
+            _check_sorted(sorted)
+            check_tensor_arg(logits, "logits", (torch.float32, torch.float16, torch.bfloat16), 2)
+        except (TypeError, ValueError) as e:
+            return deferred_output(e, logits, (_rows(logits), 0))
+        return torch.ops.sparse_mla.topk_indices(logits, int(k), row_starts, row_ends, sorted, backend)
     _check_k(k)
     _check_sorted(sorted)
-    if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
-        return torch.ops.sparse_mla.topk_indices(logits, int(k), row_starts, row_ends, sorted, backend)
     return _topk(logits, int(k), row_starts, row_ends, ordered=sorted, backend=backend)
 
 
@@ -159,6 +166,16 @@ def _topk(
     return out
 
 
+def _check_next_n(next_n: Any) -> None:
+    if isinstance(next_n, bool) or not isinstance(next_n, numbers.Integral) or next_n < 1:
+        raise ValueError(f"next_n: expected an int >= 1, got {next_n!r}")
+
+
+def _rows(logits: Any) -> int:
+    """Rows of ``logits`` as far as a traced call can tell (0 for what is not a 2-D tensor)."""
+    return logits.shape[0] if isinstance(logits, torch.Tensor) and logits.dim() == 2 else 0
+
+
 def _check_sorted(x: Any) -> None:
     if not isinstance(x, bool):
         raise TypeError(f"sorted: expected a bool, got {type_name(x)}")
@@ -204,15 +221,20 @@ def topk_kvcache_indices(
         ``[b, next_n, k]`` int32 ``block * page_block_size + offset`` (``-1`` for no key), ready as
         ``flash_mla_with_kvcache(..., indices=...)``.
     """
-    if isinstance(next_n, bool) or not isinstance(next_n, numbers.Integral) or next_n < 1:
-        raise ValueError(f"next_n: expected an int >= 1, got {next_n!r}")
-    _check_sorted(sorted)
     if torch.compiler.is_compiling():  # the top-k operator, then the slot map in torch ops
+        try:  # the scalars and the row count are fixed while tracing: a failed check raises when the graph runs
+            _check_next_n(next_n)
+            _check_sorted(sorted)
+            _check_k(k)
+            if _rows(logits) % next_n:
+                raise ValueError(f"logits: rows ({_rows(logits)}) must be b * next_n with next_n={next_n}")
+        except (TypeError, ValueError) as e:
+            return deferred_output(e, logits, (0, 1, 0))
         pos = topk_indices(logits, k, row_starts, row_ends, sorted=sorted, backend=backend)
         rows = pos.shape[0]
-        if rows % next_n:
-            raise ValueError(f"logits: rows ({rows}) must be b * next_n with next_n={next_n}")
         return abs_indices_to_kvcache_indices(pos.view(rows // next_n, next_n, -1), block_table, page_block_size)
+    _check_next_n(next_n)
+    _check_sorted(sorted)
     _check_k(k)
     check_tensor_arg(logits, "logits", (torch.float32, torch.float16, torch.bfloat16), 2)
     rows = logits.shape[0]
