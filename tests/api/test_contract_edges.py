@@ -332,7 +332,7 @@ def test_model1_block_stride_below_its_bytes_is_rejected():
         )
 
 
-@pytest.mark.parametrize("view", ["tokens", "one block", "extra", "packed half"])
+@pytest.mark.parametrize("view", ["tokens", "one block", "extra", "packed half", "uint8 quarter", "fp8 of uint8"])
 def test_model1_view_that_slices_tokens_is_rejected(view):
     """A MODEL1 view that keeps part of each block's tokens has its scale rows where its shape does
     not say (read as it is, every output is NaN): refused, naming the argument, whether its stride
@@ -341,7 +341,15 @@ def test_model1_view_that_slices_tokens_is_rejected(view):
     _, kc = make_cache("MODEL1", 4, 64, seed=3)
     q = torch.randn(1, 1, 16, 512).to(torch.bfloat16)
     idx = torch.randint(0, 32, (1, 1, 32), dtype=torch.int32)
-    sliced = {"one block": kc[:1, :32], "packed half": kc.clone()[:, :32]}.get(view, kc[:, :32])
+    _, ku = make_cache(
+        "MODEL1", 4, 128, seed=3, out_dtype=torch.uint8
+    )  # a byte cache: its views' base is a byte buffer
+    sliced = {
+        "one block": kc[:1, :32],
+        "packed half": kc.clone()[:, :32],
+        "uint8 quarter": ku[:, :32],
+        "fp8 of uint8": ku[:, :32].view(torch.float8_e4m3fn),
+    }.get(view, kc[:, :32])
     kw = dict(is_fp8_kvcache=True, backend="reference")
     if view == "extra":
         kw.update(extra_k_cache=sliced, extra_indices_in_kvcache=idx, indices=idx)

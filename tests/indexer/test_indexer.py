@@ -1215,6 +1215,28 @@ def test_operators_opcheck_and_compile():
             compiled(fn, arg)
     with pytest.raises(ValueError, match="^logits: expected a 2-D tensor"):
         compiled(lambda x: flash_mla.topk_indices(x, 3), logits[0])
+    # a Python int that took two values is a symbolic size: its bad value still raises ours
+    torch._dynamo.reset()
+    dyn = torch.compile(lambda x, kk: flash_mla.topk_indices(x, kk), fullgraph=True, backend="aot_eager")
+    assert torch.equal(dyn(logits, 4), flash_mla.topk_indices(logits, 4))
+    assert torch.equal(dyn(logits, 6), flash_mla.topk_indices(logits, 6))
+    with pytest.raises(ValueError, match="^k: expected an int in"):
+        dyn(logits, 0)
+    dyn_len = torch.compile(
+        lambda x, n: flash_mla.fp8_paged_mqa_logits(x, cache, w, ctx, table, meta, n),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    dyn_len(args[0], 32)
+    dyn_len(args[0], 40)
+    with pytest.raises(ValueError, match="^max_context_len: expected"):
+        dyn_len(args[0], -1)
+    # the cache write compiles to its operator (its checks run with it), and its scalars raise ours
+    torch._dynamo.reset()
+    c3, c4 = empty_cache(nb, bs, d), empty_cache(nb, bs, d)
+    torch.compile(lambda *a: flash_mla.indexer_k_quant_and_cache(*a), fullgraph=True, backend="aot_eager")(k, c3, slots)
+    flash_mla.indexer_k_quant_and_cache(k, c4, slots)
+    assert torch.equal(c3, c4)
     with pytest.raises(TypeError, match="^q: expected dtype"):
         compiled(lambda x: flash_mla.fp8_paged_mqa_logits(x, cache, w, ctx, table, meta, 32), args[0].float())
     kvb = random_q((20, d), seed=22)
@@ -1235,15 +1257,16 @@ def test_index_cache_sliced_by_tokens_is_refused():
     cache = empty_cache(nb, bs, d)
     k = random_keys(3, d, seed=30)
     slots = torch.tensor([0, 5, 17], device=DEVICE)
-    for sliced in (cache[:, :8], cache[:1, :8]):
-        with pytest.raises(ValueError, match="^kv_cache: a view of 8 tokens a block of a cache of 16"):
+    flat = torch.zeros(nb * bs * (d + 4), dtype=torch.uint8, device=DEVICE).view(nb, bs, 1, d + 4)
+    for sliced in (cache[:, :8], cache[:1, :8], flat[:, :8], flat[:, :8].view(torch.int8).view(torch.uint8)):
+        with pytest.raises(ValueError, match="^kv_cache: blocks of 8 tokens start every 16 token rows"):
             flash_mla.indexer_k_quant_and_cache(k[:1], sliced, slots[:1])
         ctx = torch.tensor([8], dtype=torch.int32, device=DEVICE)
         meta = flash_mla.get_paged_mqa_logits_metadata(ctx, 8, 132)
         q = random_q((1, 1, 8, d), seed=31)
         table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
         w = torch.rand(1, 8, device=DEVICE)
-        with pytest.raises(ValueError, match="^kv_cache: a view of 8 tokens"):
+        with pytest.raises(ValueError, match="^kv_cache: blocks of 8 tokens"):
             flash_mla.fp8_paged_mqa_logits(q, sliced, w, ctx, table, meta, 8)
     flash_mla.indexer_k_quant_and_cache(k, cache[1:3], slots % 32)  # whole blocks: fine
 

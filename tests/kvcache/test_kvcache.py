@@ -347,15 +347,21 @@ def test_dequantize_token_interleaved_v32_view():
     assert torch.equal(dequantize_k_cache(view, "V32"), dequantize_k_cache(kc, "V32"))
 
 
-def test_dequantize_strided_view_of_layer_pool_model1():
+def test_layer_pool_view_model1_is_refused():
+    """One layer of a pool interleaving layers by block has the strides of a token slice of a cache
+    with larger pages (whose scale rows sit elsewhere): refused, naming the argument."""
     nb, L, pbs, layer = 2, 3, 6, 1
     k, kc = make_cache("MODEL1", nb, pbs, seed=31, out_dtype=torch.uint8)
     bb = MODEL1.block_bytes(pbs)
     pool = torch.full((nb, L, bb), 0xFF, dtype=torch.uint8)
     pool[:, layer] = raw_storage(kc).view(nb, bb)
     view = pool.as_strided((nb, pbs, 1, 584), (L * bb, 584, 584, 1), layer * bb)
-    assert torch.equal(dequantize_k_cache(view, "MODEL1"), dequantize_k_cache(kc, "MODEL1"))
-    assert torch.equal(dequantize_k_cache(view.view(torch.float8_e4m3fn), "MODEL1"), dequantize_k_cache(kc, "MODEL1"))
+    for v in (view, view.view(torch.float8_e4m3fn)):
+        with pytest.raises(ValueError, match="^kq: a MODEL1 block of 6 tokens starts every 12096 bytes"):
+            dequantize_k_cache(v, "MODEL1")
+    layer_copy = pool[:, layer].clone()  # the layer as a cache of its own: padded blocks, accepted
+    own = layer_copy.as_strided((nb, pbs, 1, 584), (bb, 584, 584, 1))
+    assert torch.equal(dequantize_k_cache(own, "MODEL1"), dequantize_k_cache(kc, "MODEL1"))
 
 
 # ------------------------------------------------------------------ bad inputs

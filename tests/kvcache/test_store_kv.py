@@ -72,7 +72,7 @@ CASES = [
     ("V32", 5, 4, torch.float8_e4m3fn, 1, 1),
     ("V32", 3, 5, torch.uint8, 3, 4),  # layer 1 of a token-interleaved pool
     ("MODEL1", 3, 5, torch.float8_e4m3fn, 1, 2),
-    ("MODEL1", 7, 3, torch.uint8, 2, 1),  # block-interleaved pool, odd page size
+    ("MODEL1", 7, 3, torch.uint8, 1, 1),  # odd page size (a block-interleaved MODEL1 pool is refused)
 ]
 
 
@@ -314,3 +314,26 @@ def test_non_finite_values_are_stored_as_nan_bytes(layout):
     others[0, 3] = others[1, lay.tile + 5] = others[2, 0] = False
     others[3, :3] = False
     assert torch.isfinite(deq[others]).all()
+
+
+def test_store_compiles_fullgraph_and_raises_its_own_errors():
+    """Under torch.compile(fullgraph=True) the store is its operator (the tensors checked when it
+    runs); a bad scalar raises the library's exception, not Dynamo's."""
+    kc = random_cache("V32", 4, 4, torch.float8_e4m3fn, 3)
+    kc2 = kc.clone()
+    kv = random_tokens(5, 576, 4)
+    slots = torch.tensor([15, 0, -1, 9, 4], dtype=torch.int64, device=DEV)
+    torch._dynamo.reset()
+    torch.compile(lambda *a: quantize_and_store_kv(*a), fullgraph=True, backend="aot_eager")(kv, slots, kc)
+    quantize_and_store_kv(kv, slots, kc2)
+    assert torch.equal(sb(kc), sb(kc2))
+    for kw, exc, msg in (
+        (dict(block_t=3), ValueError, "^block_t: expected a power of two"),
+        (dict(layout="MODEL1"), ValueError, "^layout: MODEL1 given"),
+        (dict(backend="bogus"), ValueError, "^backend"),
+    ):
+        torch._dynamo.reset()
+        with pytest.raises(exc, match=msg):
+            torch.compile(lambda *a, kw=kw: quantize_and_store_kv(*a, **kw), fullgraph=True, backend="aot_eager")(
+                kv, slots, kc
+            )

@@ -191,6 +191,14 @@ def test_cli_serve_sim_quiet_writes_nothing_on_stderr():
         assert r.stderr == "" and "PASS" in r.stdout, (flag, r.stderr)
 
 
+def test_cli_serve_sim_no_check_reports_and_exits_0():
+    r = _serve_sim(
+        "--device", "cpu", "--steps", "1", "--batch", "1", "--max-context", "64", "--topk", "8", "--no-check"
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tokens/s" in r.stdout and "vs fp32 reference" not in r.stdout
+
+
 def test_line_progress_thins_fast_steps_and_times_each_line():
     import io
 

@@ -13,9 +13,9 @@ Two layouts, both "latent" MLA caches with a single KV head (``h_kv = 1``):
   ``[nope | rope]`` records (576 B each) come first, then all tokens' 8 scale bytes.
   :func:`quantize_k_cache` pads each block to a multiple of 576 bytes as FlashMLA does, so the
   cache tensor is a strided view ``[num_blocks, page_block_size, 1, 584]`` whose block stride is
-  the padded block size; the kernels accept a whole multiple of it or of the packed
-  ``page_block_size * 584`` bytes (a dense copy; a pool interleaving layers by block), and refuse
-  a view that slices the tokens inside a block (:func:`check_quantized_cache`).
+  the padded block size; the kernels accept it or the packed ``page_block_size * 584`` bytes (a
+  dense copy), nothing else: another stride is what a view slicing the tokens inside a block has
+  (:func:`check_quantized_cache`).
 
 Scales are UE8M0 (powers of two): ``scale = 2^ceil(log2(max(amax / 448, 1e-4)))`` and the stored
 value is ``x / scale`` rounded to e4m3, so dequantisation (``fp8 * scale``) is exact.
@@ -175,16 +175,15 @@ def check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_c
     """Dtype, shape and stride checks of an FP8 cache tensor (raise ``TypeError``/``ValueError`` naming it).
 
     A MODEL1 block is ``page_block_size`` 576-byte records followed by their 8-byte scale rows, so
-    its block stride must be that of a pool of such blocks: a whole multiple of the packed
-    ``page_block_size * 584`` bytes (what ``Tensor.to``, ``.clone()`` or functionalization make of
-    a padded cache) or of that padded to a multiple of 576 bytes (FlashMLA's,
-    :meth:`KVCacheLayout.block_bytes`); a multiple ``L > 1`` is one layer of a pool that interleaves
-    ``L`` layers' blocks. A view that slices the tokens inside a block (``k_cache[:, :n]``) has its
-    scale rows where its shape does not say, and every read of it would be wrong: refused when its
-    stride is none of those, or when it is a view of a 4-D cache with more tokens a block (a packed
-    pool sliced to a divisor of its page size has a multiple's stride). Slice whole blocks
-    (``k_cache[i:j]``) instead. A V32 record holds its own scales: any block stride of at least one
-    block's bytes is accepted.
+    its block stride must be exactly one of the two pool layouts: packed, ``page_block_size * 584``
+    bytes (what ``Tensor.to``, ``.clone()`` or functionalization make of a padded cache), or that
+    padded to a multiple of 576 bytes (FlashMLA's, :meth:`KVCacheLayout.block_bytes`). Any other
+    stride is a ``ValueError``: it is what a view that slices the tokens inside a block has
+    (``k_cache[:, :n]``, of either layout, whatever its dtype), whose scale rows are not where its
+    shape says and whose every read would be wrong. Slice whole blocks (``k_cache[i:j]``) instead.
+    A pool that interleaves several layers' blocks has a larger stride and is refused too: strides
+    cannot tell it from a token slice. A V32 record holds its own scales: any block stride of at
+    least one block's bytes is accepted.
     """
     if not isinstance(kq, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(kq).__name__}")
@@ -219,15 +218,12 @@ def check_quantized_cache(kq: torch.Tensor, lay: KVCacheLayout, name: str = "k_c
 def _check_model1_blocks(kq: torch.Tensor, pbs: int, packed: int, padded: int, name: str) -> None:
     """A MODEL1 cache's blocks are whole (:func:`check_quantized_cache`), else ``ValueError``."""
     stride = kq.stride(0)  # (one block too: k_cache[:1, :n] keeps the stride of its pool)
-    base = kq._base  # a view's base: a 4-D cache with more tokens a block means a token slice
-    sliced = base is not None and base.dim() == 4 and base.shape[1] > pbs and base.shape[3] == kq.shape[3]
-    if sliced or stride <= 0 or (stride % packed and stride % padded):
+    if stride not in (packed, padded):
         raise ValueError(
-            f"{name}: a MODEL1 block of {pbs} tokens starts every {stride} bytes, which is not a whole number of "
-            f"pool blocks of page_block_size x 584 = {packed} (packed) or {padded} bytes (padded to a multiple of "
-            f"576, FlashMLA's){' and it is a view of a cache of ' + str(base.shape[1]) + ' tokens a block' if sliced else ''}"
-            ": a view that slices the tokens inside a block (k_cache[:, :n]) has its scale rows elsewhere; "
-            "slice whole blocks (k_cache[i:j]) instead"
+            f"{name}: a MODEL1 block of {pbs} tokens starts every {stride} bytes, neither page_block_size x 584 = "
+            f"{packed} (packed) nor {padded} (padded to a multiple of 576, FlashMLA's): a view that slices the "
+            "tokens inside a block (k_cache[:, :n]) has its scale rows elsewhere, and a pool interleaving layers "
+            "by block cannot be told from one; slice whole blocks (k_cache[i:j]) of a per-layer cache instead"
         )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..core.checks import shown
 from ..core.env import on_tensor_device
 from ..core.traced import deferred_output
 from .backends import INDEXER_BACKENDS
@@ -38,7 +39,7 @@ def _check_kv_pair(kv: Any) -> None:
 
 def _check_max_context_len(n: Any) -> None:
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n <= INT32_MAX:
-        raise ValueError(f"max_context_len: expected an int in [0, 2^31 - 1] (key positions), got {n!r}")
+        raise ValueError(f"max_context_len: expected an int in [0, 2^31 - 1] (key positions), got {shown(n)!r}")
 
 
 def _check_bool(x: Any, name: str) -> None:

@@ -41,15 +41,20 @@ def check_index_cache(
     a block's ``block_size * head_dim`` e4m3 bytes, then its ``block_size`` fp32 scales); returns
     ``head_dim``. The block stride may exceed ``block_size * (head_dim + 4)`` (a pool view) but must
     keep the scales 4-byte aligned; tokens inside a block are packed. Slice a cache by blocks, never
-    by tokens inside a block: the scales follow the block's full page of token rows, so a view of a
-    4-D cache with more tokens a block is refused (a token slice whose strides alone would pass)."""
+    by tokens inside a block: the scales follow the block's full page of token rows, so a block
+    stride that is a whole number of token rows, more than ``block_size`` of them, is refused (what
+    a token slice ``kv_cache[:, :n]`` has; a pool that interleaves layers by block cannot be told
+    from one and is refused too). Padding of less than a token row, or of bytes that are not a
+    whole number of rows, is a pool and accepted."""
     check_tensor_arg(kv_cache, name, (torch.uint8,), 4)
     nb, bs, h_kv, last = kv_cache.shape
-    base = kv_cache._base
-    if base is not None and base.dim() == 4 and base.shape[1] > bs and base.shape[3] == last:
+    stride = kv_cache.stride(0)
+    if last > 0 and stride % last == 0 and stride // last > bs:
         raise ValueError(
-            f"{name}: a view of {bs} tokens a block of a cache of {base.shape[1]}: its scales follow the full "
-            "page of token rows, not these; slice whole blocks (kv_cache[i:j]) instead"
+            f"{name}: blocks of {bs} tokens start every {stride // last} token rows ({stride} bytes): a view that "
+            "slices the tokens inside a block (kv_cache[:, :n]) has its scales elsewhere (they follow the full "
+            "page of rows), and a pool interleaving layers by block cannot be told from one; slice whole blocks "
+            "(kv_cache[i:j]) of a per-layer cache instead"
         )
     d = last - 4
     if h_kv != 1:

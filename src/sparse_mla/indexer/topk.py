@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..core.checks import check_block_table
+from ..core.checks import check_block_table, shown
 from ..core.env import next_pow2, on_tensor_device
 from ..core.traced import deferred_output
 from ..kvcache.reference import abs_indices_to_kvcache_indices
@@ -168,7 +168,7 @@ def _topk(
 
 def _check_next_n(next_n: Any) -> None:
     if isinstance(next_n, bool) or not isinstance(next_n, numbers.Integral) or next_n < 1:
-        raise ValueError(f"next_n: expected an int >= 1, got {next_n!r}")
+        raise ValueError(f"next_n: expected an int >= 1, got {shown(next_n)!r}")
 
 
 def _rows(logits: Any) -> int:
@@ -183,7 +183,7 @@ def _check_sorted(x: Any) -> None:
 
 def _check_k(k: Any) -> None:
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= INT32_MAX:
-        raise ValueError(f"k: expected an int in [1, 2^31 - 1] (int32 positions), got {k!r}")
+        raise ValueError(f"k: expected an int in [1, 2^31 - 1] (int32 positions), got {shown(k)!r}")
 
 
 def _minus_one(shape: tuple[int, int], dev: torch.device) -> torch.Tensor:

@@ -4,10 +4,13 @@ makes every step (validation and ``backend=`` here; the kernel, and how it round
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..core.env import on_tensor_device
-from ..formats import LayoutLike
+from ..core.traced import deferred_output
+from ..formats import LayoutLike, get_layout, layout_of_cache
 from .backends import KVCACHE_BACKENDS
 from .problem import check_store_args
 
@@ -55,12 +58,29 @@ def quantize_and_store_kv(
             cache, out-of-range slots (CPU ``slot_mapping`` only), bad ``block_t``, a ``backend``
             that is unknown or cannot serve the tensors' device.
     """
+    if torch.compiler.is_compiling():  # one operator in the graph (its tensors checked when it runs)
+        try:  # the scalars are fixed while tracing: a failed check raises when the graph runs
+            _check_block_t(block_t)
+            if (
+                layout is not None
+                and isinstance(k_cache, torch.Tensor)
+                and get_layout(layout) != layout_of_cache(k_cache)
+            ):
+                raise ValueError(
+                    f"layout: {get_layout(layout).name} given, but k_cache has {k_cache.shape[-1]} bytes per token"
+                )
+            if not isinstance(backend, str) or backend != "auto":
+                KVCACHE_BACKENDS.get(backend)  # an unknown name raises
+        except (TypeError, ValueError) as e:
+            deferred_output(e, kv, (0,))
+            return
+        torch.ops.sparse_mla.quantize_and_store_kv(kv, slot_mapping, k_cache)
+        return
     lay = check_store_args(kv, slot_mapping, k_cache, layout)
     n = kv.shape[0]
+    _check_block_t(block_t)
     if block_t is None:
         block_t = 1 if n < 1024 else 4
-    if isinstance(block_t, bool) or not isinstance(block_t, int) or not 1 <= block_t <= 64 or block_t & (block_t - 1):
-        raise ValueError(f"block_t: expected a power of two in [1, 64], got {block_t!r}")
     kernels = KVCACHE_BACKENDS.runs_kernels(k_cache.device, backend)
     if n == 0 or k_cache.numel() == 0:
         return
@@ -72,3 +92,10 @@ def quantize_and_store_kv(
     from .kernels.store import launch
 
     launch(kv, slot_mapping, k_cache, lay, block_t)
+
+
+def _check_block_t(block_t: Any) -> None:
+    if block_t is None:
+        return
+    if isinstance(block_t, bool) or not isinstance(block_t, int) or not 1 <= block_t <= 64 or block_t & (block_t - 1):
+        raise ValueError(f"block_t: expected a power of two in [1, 64], got {block_t!r}")

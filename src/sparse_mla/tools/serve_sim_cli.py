@@ -228,7 +228,7 @@ def cli_main(args: argparse.Namespace) -> int:
     for k in ("mean", "p50", "p90", "p99"):
         t.add_row(f"step latency {k}", f"{res[k + '_ms']:.4f} ms")
     ok = True
-    if "check" in res:
+    if isinstance(res.get("check"), dict):  # (False: the run was asked not to check)
         c = res["check"]
         ok = c["ok"]
         t.add_row(
