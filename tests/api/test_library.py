@@ -351,6 +351,9 @@ def test_compiled_decode_raises_the_librarys_own_errors(backend):
         run(q, kc, idx, fn=lambda q, kc, ix: flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, None, indices=ix))
     with pytest.raises(NotImplementedError, match=r"^dense decode \(indices=None\)"):
         run(q, kc, fn=lambda q, kc: flash_mla.flash_mla_with_kvcache(q, kc, None, None, 512, meta))
+    with pytest.raises(ValueError, match="^backend: "):  # an unknown name, as eager calls say it
+        run(q, kc, idx, fn=lambda q, kc, ix: flash_mla.flash_mla_with_kvcache(
+            q, kc, None, None, 512, meta, is_fp8_kvcache=True, indices=ix, backend="bogus"))  # fmt: skip
     # the error is raised even where the call's outputs go unused (the caller reads its out=)
     out = torch.empty(2, 1, 16, 512, dtype=torch.bfloat16, device=DEV)
 

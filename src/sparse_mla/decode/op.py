@@ -32,7 +32,7 @@ import torch
 
 from ..core.checks import check_no_self_overlap, check_plain_storage, shown
 from ..core.env import use_triton
-from .backends import dynamic_table, resolve_backend, run_decode
+from .backends import dynamic_table, get_backend, resolve_backend, run_decode
 from .plan import DecodePlan, FlashMLASchedMeta, check_plan_belongs, check_sched_meta
 from .problem import (
     DecodeProblem,
@@ -315,11 +315,13 @@ def check_traced_plan(
         ValueError: it is not filled yet, or was filled for another configuration.
     """
     meta = check_sched_meta(tile_scheduler_metadata)
+    if not isinstance(backend, str) or backend != "auto":
+        get_backend(backend)  # an unknown name is named as such, as in an eager call
     plan = meta.plan
     if plan is None and meta.config is None:
         raise ValueError(
-            "tile_scheduler_metadata: not filled yet; torch.compile cannot trace its first fill (a host "
-            "read of topk_length): make one eager call with it before the compiled one"
+            "tile_scheduler_metadata: not filled yet; torch.compile cannot trace its first fill (it chooses "
+            "the backend and allocates the workspace): make one eager call with it before the compiled one"
         )
     check_plan_belongs(meta)
     b, s_q, h_q, d_qk = q.shape
