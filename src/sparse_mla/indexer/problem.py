@@ -48,14 +48,6 @@ def check_index_cache(
     whole number of rows, is a pool and accepted."""
     check_tensor_arg(kv_cache, name, (torch.uint8,), 4)
     nb, bs, h_kv, last = kv_cache.shape
-    stride = kv_cache.stride(0)
-    if last > 0 and stride % last == 0 and stride // last > bs:
-        raise ValueError(
-            f"{name}: blocks of {bs} tokens start every {stride // last} token rows ({stride} bytes): a view that "
-            "slices the tokens inside a block (kv_cache[:, :n]) has its scales elsewhere (they follow the full "
-            "page of rows), and a pool interleaving layers by block cannot be told from one; slice whole blocks "
-            "(kv_cache[i:j]) of a per-layer cache instead"
-        )
     d = last - 4
     if h_kv != 1:
         raise ValueError(
@@ -73,6 +65,14 @@ def check_index_cache(
     if kv_cache.stride(3) != 1 or (bs > 1 and kv_cache.stride(1) != last):
         raise ValueError(
             f"{name}: tokens must be packed inside a block (strides [*, {last}, *, 1]), got {list(kv_cache.stride())}"
+        )
+    stride = kv_cache.stride(0)
+    if stride % last == 0 and stride // last > bs:
+        raise ValueError(
+            f"{name}: blocks of {bs} tokens start every {stride // last} token rows ({stride} bytes): a view that "
+            "slices the tokens inside a block (kv_cache[:, :n]) has its scales elsewhere (they follow the full "
+            "page of rows), and a pool interleaving layers by block cannot be told from one; slice whole blocks "
+            "(kv_cache[i:j]) of a per-layer cache instead"
         )
     if nb > 1 and kv_cache.stride(0) < bs * last:
         raise ValueError(f"{name}: block stride {kv_cache.stride(0)} < the {bs * last} bytes of one block")
