@@ -1102,6 +1102,8 @@ def _bad_calls():
     )
     yield "max_context_len: expected an int", ValueError, paged, (qp, cache, torch.ones(4, 4), ctx, bt, meta, -1)
     yield "k: expected an int in", ValueError, flash_mla.topk_indices, (torch.zeros(2, 5), 0)
+    yield "k: expected an int, got bool", TypeError, flash_mla.topk_indices, (torch.zeros(2, 5), True)
+    yield "k: expected an int, got float", TypeError, flash_mla.topk_indices, (torch.zeros(2, 5), 10.0)
     yield (
         "logits: expected a CPU or CUDA tensor",
         ValueError,

@@ -337,6 +337,7 @@ def test_cli_no_numpy_warnings_for_blocks_without_valid_keys():
         (["--topk", str(2**31)], "--topk"),  # (before: a MemoryError about 9248 GiB, or int32 overflow)
         (["--max-context", str(2**31)], "--max-context"),
         (["--batch", "3000000", "--max-context", "1024"], "--batch"),  # 3.1e9 cache slots: past int32
+        (["--page-block-size", str(2**31 - 1)], "--page-block-size"),  # 2 pages of 2^31 - 1 slots
         (["--index-dim", "64"], "--index-dim"),  # without --indexer it would be ignored
     ],
 )

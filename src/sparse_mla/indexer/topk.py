@@ -182,7 +182,9 @@ def _check_sorted(x: Any) -> None:
 
 
 def _check_k(k: Any) -> None:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= INT32_MAX:
+    if isinstance(k, bool) or not isinstance(k, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"k: expected an int, got {type_name(k)}")
+    if not 1 <= k <= INT32_MAX:
         raise ValueError(f"k: expected an int in [1, 2^31 - 1] (int32 positions), got {shown(k)!r}")
 
 

@@ -174,8 +174,16 @@ class ServeSimConfig:
             )
         slots = self.batch * -(-self.max_context // self.page_block_size) * self.page_block_size
         if slots > INT32_MAX:
+            # blame a page larger than the context (its padding makes the slots), then a context too
+            # long for one request, else the number of requests
+            one = -(-self.max_context // self.page_block_size) * self.page_block_size
+            culprit = (
+                "page_block_size"
+                if self.page_block_size > self.max_context
+                else ("max_context" if one > INT32_MAX else "batch")
+            )
             raise ValueError(
-                f"{n('batch')}: {self.batch} requests of {n('max_context')} {self.max_context} tokens in pages of "
+                f"{n(culprit)}: {self.batch} requests of {n('max_context')} {self.max_context} tokens in pages of "
                 f"{n('page_block_size')} {self.page_block_size} need {slots} cache slots, more than the int32 "
                 "cache indices hold (2^31 - 1)"
             )
