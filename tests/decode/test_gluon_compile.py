@@ -95,7 +95,7 @@ def test_decode_signals_its_dependent_after_its_stores(tmp_path):
 def test_pdl_only_on_cuda():
     import torch
 
-    from sparse_mla.core.env import pdl_enabled
+    from sparse_mla.core.target import pdl_enabled
 
     assert pdl_enabled(torch.device("cpu")) is False
 

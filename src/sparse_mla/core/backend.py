@@ -51,9 +51,12 @@ def sm90_unsupported(dev: torch.device) -> str | None:
     kernels on an sm_90 GPU."""
     if dev.type != "cuda" or interpreting():
         return "needs a CUDA device and compiled kernels (not TRITON_INTERPRET=1)"
-    major, minor = torch.cuda.get_device_capability(dev)
-    if major != 9:
-        return f"needs an sm_90 (Hopper) GPU, this one is sm_{major}{minor}"
+    from .target import device_target, emulated_target
+
+    t = device_target(dev)
+    if not t.hopper:
+        as_ = " as SPARSE_MLA_TARGET asks" if emulated_target() is not None else ""
+        return f"needs an sm_90 (Hopper) GPU, this one runs{as_} as {t.name}"
     return None
 
 

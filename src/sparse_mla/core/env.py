@@ -1,6 +1,7 @@
-"""Where the kernels run: the one place that reads the environment (``TRITON_INTERPRET``,
-``SPARSE_MLA_BACKEND``, a debugging override of every operation's ``backend="auto"``, and
-``SPARSE_MLA_PDL``), the device queries, and the numeric constants the kernels share.
+"""Where the kernels run: the environment's choice between compiled and interpreted kernels
+(``TRITON_INTERPRET``) and of backend (``SPARSE_MLA_BACKEND``, a debugging override of every
+operation's ``backend="auto"``), the device queries, and the numeric constants the kernels share.
+What a GPU can do (and ``SPARSE_MLA_TARGET``, ``SPARSE_MLA_PDL``): :mod:`sparse_mla.core.target`.
 
 Triton decides when a kernel is *defined* (``@triton.jit`` at import of its module) whether it
 will be compiled or interpreted. CPU tensors can run only interpreted kernels, CUDA tensors
@@ -24,7 +25,6 @@ __all__ = [
     "require_runnable",
     "backend_override",
     "cuda_num_sms",
-    "pdl_enabled",
     "on_tensor_device",
     "LOG2E",
     "LN2",
@@ -97,26 +97,6 @@ def cuda_num_sms(device: torch.device | int | None = None) -> int:
 @functools.cache
 def _cuda_num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-#: ``SPARSE_MLA_PDL=0`` (read once, at import): no programmatic dependent launch
-_PDL_ENV = os.environ.get("SPARSE_MLA_PDL", "1") != "0"
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether a kernel that follows the Hopper decode on ``device`` is launched as its
-    programmatic dependent (PDL: its CTAs may be scheduled once every CTA of the decode has
-    signalled, and wait with ``griddepcontrol.wait`` until the decode has completed and its
-    writes are visible): on CUDA GPUs of compute capability 9.0 or newer, not under the
-    interpreter, unless ``SPARSE_MLA_PDL=0`` was set when the package was imported."""
-    if not _PDL_ENV or device.type != "cuda" or interpreting():
-        return False
-    return _cuda_major(torch.cuda.current_device() if device.index is None else device.index) >= 9
-
-
-@functools.cache
-def _cuda_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
 
 
 def on_tensor_device(fn):

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ..core.fp8 import e4m3_decode_exact
+from ..core.target import Target
 from .layouts import cache_bytes
 
 __all__ = [
@@ -34,14 +35,15 @@ ADDR_GENERAL = tl.constexpr(2)  # integer division
 
 
 @triton.jit
-def e4m3_to(k8, DOT_DTYPE: tl.constexpr):
-    """Cache bytes -> dot operands. Compiled: Triton's e4m3 conversion. fp32 operands are the
-    interpreter's (:func:`dot_consts`), whose e4m3 cast reads the NaN bytes as +-480: there the
-    exact integer decode instead."""
-    if DOT_DTYPE == tl.float32:
-        return e4m3_decode_exact(k8)
-    else:
+def e4m3_to(k8, DOT_DTYPE: tl.constexpr, FP8_HW: tl.constexpr):
+    """Cache bytes (OCP e4m3) -> dot operands: by the hardware's e4m3 conversion where the target
+    has one (``FP8_HW``, :attr:`sparse_mla.core.target.Target.fp8_convert`), else by the exact
+    integer decode: sm_80/86 and AMD gfx90a/gfx942 (whose FP8 hardware reads FNUZ, not OCP),
+    and the interpreter, whose e4m3 cast reads the NaN bytes as +-480. The same values."""
+    if FP8_HW:
         return k8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
+    else:
+        return e4m3_decode_exact(k8).to(DOT_DTYPE)
 
 
 @triton.jit
@@ -62,6 +64,7 @@ def load_block_keys(
     NUM_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    FP8_HW: tl.constexpr,
 ):
     """Gather and dequantise BLOCK_N indexed tokens: (k_main [N, 512], k_tail [N, 64], valid [N])."""
     kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2 = cache
@@ -84,7 +87,7 @@ def load_block_keys(
     if IS_V32:
         tok = blk * stride_blk + off * stride_tok  # byte offset of each token record
         k8 = tl.load(kv_ptr + tok[:, None] + cols[None, :], mask=valid[:, None], other=0)
-        kf = e4m3_to(k8, DOT_DTYPE)
+        kf = e4m3_to(k8, DOT_DTYPE, FP8_HW)
         sptr = (kv_ptr + tok + D_NOPE).to(tl.pointer_type(tl.float32))
         tiles = tl.arange(0, MAIN_TILES)
         sc = tl.load(sptr[:, None] + tiles[None, :], mask=valid[:, None], other=0.0)
@@ -98,7 +101,7 @@ def load_block_keys(
         tok = base + off * (D_NOPE + 2 * D_TAIL)
         is_nope = cols < D_NOPE
         k8 = tl.load(kv_ptr + tok[:, None] + cols[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
-        kf = e4m3_to(k8, DOT_DTYPE)
+        kf = e4m3_to(k8, DOT_DTYPE, FP8_HW)
         tiles = tl.arange(0, MAIN_TILES)
         eb = tl.load(
             kv_ptr + base[:, None] + pbs * (D_NOPE + 2 * D_TAIL) + off[:, None] * 8 + tiles[None, :],
@@ -132,11 +135,17 @@ def gather_consts(lay) -> dict:
     return dict(D_NOPE=lay.d_nope, TILE=lay.tile, MAIN_TILES=512 // lay.tile, NUM_TILES=lay.num_tiles)
 
 
-def dot_consts(interp: bool, loop: bool = True) -> dict:
-    """Dot operand dtype and precision, and (``loop``) the loop form: the interpreter's bf16 dot is
-    wrong (docs/design.md, environment), so there fp32 operands with exact (ieee) products and a
-    while loop (its range() cannot take loaded bounds with NumPy >= 2.4)."""
-    consts = dict(DOT_DTYPE=tl.float32 if interp else tl.bfloat16, DOT_PREC="ieee" if interp else None)
+def dot_consts(target: Target, loop: bool = True) -> dict:
+    """The dot operands' dtype and precision and the FP8 decode (``FP8_HW``) for ``target``, and
+    (``loop``) the loop form. The interpreter's bf16 dot is wrong (docs/design.md, environment), so
+    there fp32 operands with exact (ieee) products and a while loop (its range() cannot take
+    loaded bounds with NumPy >= 2.4)."""
+    interp = target.vendor == "cpu"
+    consts = dict(
+        DOT_DTYPE=tl.float32 if interp else tl.bfloat16,
+        DOT_PREC="ieee" if interp else None,
+        FP8_HW=target.fp8_convert,
+    )
     if loop:
         consts["FOR_LOOP"] = not interp
     return consts

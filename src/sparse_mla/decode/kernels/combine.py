@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...core.env import cdiv, cuda_num_sms, interpreting, pdl_enabled, require_runnable
+from ...core.env import cdiv, cuda_num_sms, interpreting, require_runnable
 from ...core.launcher import launch as launch_kernel
+from ...core.target import pdl_enabled
 
 
 @triton.jit
@@ -234,7 +235,7 @@ def combine_fwd(
         pdl: launch as the programmatic dependent of the kernel before it on the stream (which
             must write the partials; the Hopper decode, which signals after its stores): the
             programs wait for it to complete before reading anything it wrote. Only where
-            :func:`sparse_mla.core.env.pdl_enabled` holds (sm_90+, not the interpreter).
+            :func:`sparse_mla.core.target.pdl_enabled` holds (sm_90+, not the interpreter).
     """
     b, s_q, h_q, d_v = out.shape
     if not out.is_cuda and not interpreting():

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ...core.env import LOG2E, cdiv, interpreting, require_runnable
 from ...core.launcher import launch_fitting
+from ...core.target import device_target
 from ...formats.gather import cache_args, dot_consts, gather_consts, load_block_keys
 from ..problem import DecodeProblem, finish_outputs, output_tensors
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, small_head_tile
@@ -92,6 +93,7 @@ def _block_step(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    FP8_HW: tl.constexpr,
     RESCALE_TAU: tl.constexpr = 8.0,
 ):
     """One BLOCK_N-token step of the online softmax; returns the updated (m, l, acc)."""
@@ -112,6 +114,7 @@ def _block_step(
         NUM_TILES,
         BLOCK_N,
         DOT_DTYPE,
+        FP8_HW,
     )
     s = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PREC)
     if IS_V32:
@@ -159,6 +162,7 @@ def _attend_blocks(
     SCHED_BLOCK: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    FP8_HW: tl.constexpr,
     HAS_LEN: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -201,6 +205,7 @@ def _attend_blocks(
                 BLOCK_N,
                 DOT_DTYPE,
                 DOT_PREC,
+                FP8_HW,
             )
     else:
         blk_i = sub_begin
@@ -229,6 +234,7 @@ def _attend_blocks(
                 BLOCK_N,
                 DOT_DTYPE,
                 DOT_PREC,
+                FP8_HW,
             )
             blk_i += 1
     return m_i, l_i, acc
@@ -267,6 +273,7 @@ def _sparse_decode_kernel(
     HAS_SINK: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    FP8_HW: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -343,6 +350,7 @@ def _sparse_decode_kernel(
             SCHED_BLOCK,
             DOT_DTYPE,
             DOT_PREC,
+            FP8_HW,
             HAS_TOPK_LEN,
             FOR_LOOP,
             NUM_STAGES,
@@ -373,6 +381,7 @@ def _sparse_decode_kernel(
                 SCHED_BLOCK,
                 DOT_DTYPE,
                 DOT_PREC,
+                FP8_HW,
                 HAS_EXTRA_LEN,
                 FOR_LOOP,
                 NUM_STAGES,
@@ -467,7 +476,7 @@ def launch(
         HAS_EXTRA=has_extra,
         HAS_EXTRA_LEN=p.extra_topk_length is not None,
         HAS_SINK=p.attn_sink is not None,
-        **dot_consts(interp),
+        **dot_consts(device_target(dev)),
     )
     launch_fitting(
         _sparse_decode_kernel,

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from ...core.env import cdiv, interpreting, next_pow2, require_runnable
 from ...core.fp8 import e4m3_decode_exact
+from ...core.target import device_target
 from ..problem import index_cache_geometry
 from .common import resolve_config, sm_count, split_work
 
@@ -342,10 +343,9 @@ PAGED_CONFIG = PagedConfig()
 
 
 def tma_supported(device: torch.device) -> bool:
-    """Whether ``device`` has the tensor-memory accelerator (CUDA sm_90+; not under the interpreter)."""
-    if device.type != "cuda" or interpreting() or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    """Whether ``device`` has the tensor-memory accelerator (its target's ``tma``: CUDA sm_90+; not
+    under the interpreter)."""
+    return device_target(device).tma
 
 
 def _paged_descriptors(kv_cache, nb, bs, d, stride_blk, block_n, meta, cfg):
@@ -369,15 +369,11 @@ def _paged_descriptors(kv_cache, nb, bs, d, stride_blk, block_n, meta, cfg):
 
 
 def fp8_dot_supported(device: torch.device) -> bool:
-    """Whether the logits kernels take e4m3 tensor-core dots on ``device`` by default: compiled on
-    CUDA sm_89+ (AMD, older NVIDIA GPUs and the interpreter: the exact integer e4m3 decode)."""
-    if device.type != "cuda" or interpreting():
-        # the interpreter: Triton 3.6-3.9 read e4m3 NaN bytes as +-480 inside its FP8 dots, so CPU
-        # calls take the exact integer decode (tests still run the FP8 path there by asking for it)
-        return False
-    if torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether the logits kernels take e4m3 tensor-core dots on ``device`` by default: its target's
+    ``fp8_dot`` (compiled on CUDA sm_89+; AMD, older NVIDIA GPUs and the interpreter: the exact
+    integer e4m3 decode). The interpreter: Triton 3.6-3.9 read e4m3 NaN bytes as +-480 inside its
+    FP8 dots, so CPU calls take the integer decode (tests still run the FP8 path there by asking)."""
+    return device_target(device).fp8_dot
 
 
 def _dot_meta(device: torch.device, fp8_dot: bool | None, d: int) -> dict:

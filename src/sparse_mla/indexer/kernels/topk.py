@@ -12,9 +12,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from ...core.checks import check_apart, check_no_self_overlap
-from ...core.env import cdiv, interpreting, next_pow2, pdl_enabled, require_runnable
+from ...core.env import cdiv, interpreting, next_pow2, require_runnable
 from ...core.launcher import launch as launch_kernel
 from ...core.paging import table_slots
+from ...core.target import pdl_enabled
 from ..problem import check_tensor_arg
 from .common import resolve_config, sm_count, split_work
 from .topk_bisect import (

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ...core.env import LOG2E, cdiv, interpreting, require_runnable
 from ...core.launcher import launch_fitting
+from ...core.target import device_target
 from ...decode.kernels.combine import final_out_lse
 from ...decode.scheduler import small_head_tile
 from ...formats.gather import ADDR_GENERAL, cache_args, dot_consts, gather_consts, load_block_keys
@@ -82,6 +83,7 @@ def _prefill_step(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    FP8_HW: tl.constexpr,
 ):
     """One BLOCK_N-index step of the online softmax; returns the updated (m, l, acc)."""
     if KV_FP8:
@@ -102,6 +104,7 @@ def _prefill_step(
             NUM_TILES,
             BLOCK_N,
             DOT_DTYPE,
+            FP8_HW,
         )
     else:
         k_main, k_tail, valid = _load_bf16_keys(kv_bf16, sel, i, pos0, n_valid, IS_V32, BLOCK_N, DOT_DTYPE)
@@ -143,6 +146,7 @@ def _sparse_prefill_kernel(
     HAS_SINK: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    FP8_HW: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -180,14 +184,14 @@ def _sparse_prefill_kernel(
         for step in tl.range(0, n_steps, num_stages=NUM_STAGES):
             m_i, l_i, acc = _prefill_step(
                 q_main, q_tail, m_i, l_i, acc, kv_bf16, cache, sel, i, step * BLOCK_N, n_valid, scale_log2,
-                KV_FP8, ADDR, IS_V32, D_NOPE, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC,
+                KV_FP8, ADDR, IS_V32, D_NOPE, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC, FP8_HW,
             )  # fmt: skip
     else:  # interpreter (its range() cannot take loaded bounds with NumPy >= 2.4)
         step = 0
         while step < n_steps:
             m_i, l_i, acc = _prefill_step(
                 q_main, q_tail, m_i, l_i, acc, kv_bf16, cache, sel, i, step * BLOCK_N, n_valid, scale_log2,
-                KV_FP8, ADDR, IS_V32, D_NOPE, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC,
+                KV_FP8, ADDR, IS_V32, D_NOPE, TILE, MAIN_TILES, NUM_TILES, BLOCK_N, DOT_DTYPE, DOT_PREC, FP8_HW,
             )  # fmt: skip
             step += 1
 
@@ -251,7 +255,7 @@ def launch(
         BLOCK_N=BLOCK_N,
         HAS_TOPK_LEN=p.topk_length is not None,
         HAS_SINK=p.attn_sink is not None,
-        **dot_consts(interp),
+        **dot_consts(device_target(dev)),
     )
     grid = (s_q, cdiv(h_q, block_h), 1)
     launch_fitting(_sparse_prefill_kernel, grid, args, consts, num_warps, num_stages, (dev, tuple(consts.items())))
