@@ -291,4 +291,5 @@ def combine_fwd(
         FOR_LOOP=not interpreting(),
         PDL=pdl,
     )
-    launch_kernel(_combine_kernel, grid, args, consts, {"num_warps": 4, "launch_pdl": pdl})
+    # launch_pdl only where PDL is on: AMD's backend has no such launch option (it rejects the name)
+    launch_kernel(_combine_kernel, grid, args, consts, {"num_warps": 4, **({"launch_pdl": True} if pdl else {})})
