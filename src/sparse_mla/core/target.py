@@ -22,9 +22,11 @@ what an A100 runs (the portable kernels, the integer FP8 decode, no PDL or TMA) 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -38,6 +40,8 @@ __all__ = [
     "emulated_target",
     "INTERPRETER",
     "pdl_enabled",
+    "dispatching_as",
+    "dispatch_target",
 ]
 
 #: ``SPARSE_MLA_TARGET``: a target name, or empty / ``auto`` (read once, at import)
@@ -208,6 +212,8 @@ def device_target(device: torch.device) -> Target:
     Raises:
         ValueError: ``SPARSE_MLA_TARGET`` names an unknown target, or one this GPU cannot emulate.
     """
+    if _DISPATCHING is not None:
+        return _DISPATCHING
     if device.type != "cuda" or interpreting():
         return INTERPRETER
     index = torch.cuda.current_device() if device.index is None else device.index
@@ -245,6 +251,41 @@ def pdl_enabled(device: torch.device) -> bool:
     signalled, and wait with ``griddepcontrol.wait`` until the decode has completed and its
     writes are visible): on targets that have it (:attr:`Target.pdl`: sm_90+), not
     under the interpreter, unless ``SPARSE_MLA_PDL=0`` was set when the package was imported."""
+    if _DISPATCHING is not None:
+        return _PDL_ENV and _DISPATCHING.pdl
     if not _PDL_ENV or device.type != "cuda" or interpreting():
         return False
     return device_target(device).pdl
+
+
+#: the target every dispatcher chooses for inside :func:`dispatching_as` (None: the device's own)
+_DISPATCHING: Target | None = None
+
+
+def dispatch_target() -> Target | None:
+    """The target :func:`dispatching_as` has made every dispatcher choose for, None outside it."""
+    return _DISPATCHING
+
+
+@contextlib.contextmanager
+def dispatching_as(t: Target | str) -> Iterator[Target]:
+    """Inside the block every dispatcher chooses as on ``t``, whatever device its tensors are on:
+    :func:`device_target` returns ``t`` and :func:`pdl_enabled` ``t.pdl`` (unless
+    ``SPARSE_MLA_PDL=0``). What makes the offline compile matrix
+    (:func:`sparse_mla.tools.targets.compiling_for`, which also compiles each launch for ``t``
+    instead of running it) choose what a GPU of that name would. Blocks nest; not thread-safe.
+
+    Raises:
+        TypeError: ``t`` is neither a :class:`Target` nor a str.
+        ValueError: an unknown target name.
+    """
+    global _DISPATCHING
+    if isinstance(t, str):
+        t = target(t)
+    elif not isinstance(t, Target):
+        raise TypeError(f"t: expected a Target or a target name, got {type(t).__name__}")
+    saved, _DISPATCHING = _DISPATCHING, t
+    try:
+        yield t
+    finally:
+        _DISPATCHING = saved
