@@ -532,6 +532,13 @@ def cmd_serve_sim(args: argparse.Namespace) -> int:
     return cli_main(args)
 
 
+def cmd_targets(args: argparse.Namespace) -> int:
+    """The offline compile matrix and the local backends (:mod:`.targets`)."""
+    from .targets import cmd_targets as run
+
+    return run(args)
+
+
 #: subcommand name -> (help, handler); bench / check / serve-sim are planned
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "demo": (
@@ -544,6 +551,11 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "serve-sim": (
         "decode-loop simulation: paged FP8 cache write, index conversion, sparse decode in a CUDA graph",
         cmd_serve_sim,
+    ),
+    "targets": (
+        "will it run on my GPU? every kernel compiled offline for each known GPU target, and the backend "
+        "each operation uses on this machine",
+        cmd_targets,
     ),
 }
 
@@ -578,6 +590,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("serve-sim", help=COMMANDS["serve-sim"][0], description=COMMANDS["serve-sim"][0])
     _serve_sim_arguments(sim)
     sim.set_defaults(func=COMMANDS["serve-sim"][1])
+
+    tg = sub.add_parser("targets", help=COMMANDS["targets"][0], description=COMMANDS["targets"][0])
+    tg.add_argument("--json", metavar="FILE", default=None, help="also write the matrix as JSON to FILE")
+    tg.add_argument(
+        "--target", metavar="NAME", action="append", default=[], help="only this target (repeatable; default: all)"
+    )
+    tg.set_defaults(func=COMMANDS["targets"][1])
     return p
 
 
