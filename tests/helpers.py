@@ -11,8 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_mla.core.target import INTERPRETER, device_target
 from sparse_mla.formats import get_layout, quantize_k_cache
 from sparse_mla.testing import check_decode_close, cos_diff  # noqa: F401  (re-exported for the tests)
+
+#: what the local GPU runs as (``SPARSE_MLA_TARGET`` makes an H100 choose as an A100); the
+#: interpreter's target without a GPU
+GPU_TARGET = device_target(torch.device("cuda")) if torch.cuda.is_available() else INTERPRETER
+#: the Hopper (Gluon sm_90) kernels serve this GPU
+ON_HOPPER = GPU_TARGET.hopper
 
 
 def triton_interpret_enabled() -> bool:

@@ -14,6 +14,7 @@ import torch
 
 import sparse_mla as flash_mla
 from benchmarks.gather import gather_max, gather_max_reference
+from sparse_mla.core.target import device_target
 from sparse_mla.formats import cache_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,7 +107,7 @@ def test_tma_gather_kernel_compiles_for_hopper():
 
 def _tma_gather_fits() -> bool:
     """sm_90+ with the 196 KB of shared memory four stages take (not consumer Blackwell's 100 KB)."""
-    if DEVICE != "cuda" or torch.cuda.get_device_capability() < (9, 0):
+    if DEVICE != "cuda" or not device_target(torch.device(DEVICE)).tma:
         return False
     return torch.cuda.get_device_properties(0).shared_memory_per_block_optin >= 200 * 1024
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import cache_to, check_decode_close, make_problem
+from helpers import ON_HOPPER, cache_to, check_decode_close, make_problem
 
 import sparse_mla as flash_mla
 from sparse_mla.decode import AUTO_ORDER, BACKENDS, backend_support, get_backend, resolve_backend
@@ -22,7 +22,7 @@ from sparse_mla.reference import sparse_decode_reference
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 KERNELS = ON_GPU or os.environ.get("TRITON_INTERPRET", "0") == "1"
-HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+HOPPER = ON_HOPPER
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

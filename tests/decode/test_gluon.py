@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 from cache_bytes import poison_unattended, storage_bytes
-from helpers import check_decode_close
+from helpers import ON_HOPPER, check_decode_close
 
 import sparse_mla as flash_mla
 from sparse_mla import quantize_k_cache
@@ -20,7 +20,7 @@ from sparse_mla.reference import sparse_decode_reference
 
 
 def _is_hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    return ON_HOPPER
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90) CUDA device")]

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from cache_bytes import poison_slots, storage_bytes
-from helpers import cache_to, make_cache, random_latent_k, triton_interpret_enabled
+from helpers import ON_HOPPER, cache_to, make_cache, random_latent_k, triton_interpret_enabled
 
 import sparse_mla as flash_mla
 from sparse_mla.prefill.reference import sparse_prefill_reference
@@ -255,9 +255,6 @@ def test_views(form):
     out, ml, lse = run_and_check(qv, kvv, idx_t, topk_length=lens, attn_sink=sink)
     ref = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 576**-0.5, topk_length=lens.contiguous(), attn_sink=sink.clone())
     assert torch.equal(out, ref[0]) and torch.equal(lse, ref[2]) and torch.equal(ml, ref[1])
-
-
-ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 
 
 def test_auto_runs_the_kernel_where_triton_runs():
