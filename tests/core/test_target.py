@@ -20,7 +20,7 @@ from sparse_mla.core.target import INTERPRETER, TARGETS, device_target, target
         ("sm_120", True, True, False),
         ("gfx90a", False, False, False),
         ("gfx942", False, False, False),  # FNUZ hardware: reading OCP bytes with it is wrong
-        ("gfx950", True, False, False),  # OCP e4m3 in hardware
+        ("gfx950", False, False, False),  # Triton's e4m3 cast there reads NaN bytes as +-480
         ("gfx1100", False, False, False),
         ("gfx1201", False, False, False),
     ],
@@ -64,7 +64,7 @@ def test_portable_kernels_take_the_integer_decode_where_the_hardware_has_none():
     assert dot_consts(target("sm_80"))["FP8_HW"] is False
     assert dot_consts(target("gfx942"))["FP8_HW"] is False
     assert dot_consts(target("sm_90a"))["FP8_HW"] is True
-    assert dot_consts(target("gfx950"))["FP8_HW"] is True
+    assert dot_consts(target("gfx950"))["FP8_HW"] is False
     assert dot_consts(INTERPRETER) == dict(
         DOT_DTYPE=dot_consts(INTERPRETER)["DOT_DTYPE"], DOT_PREC="ieee", FP8_HW=False, FOR_LOOP=False
     )

@@ -11,9 +11,11 @@ name runs.
 Why the FP8 decode differs: the V3.2 and MODEL1 caches store OCP e4m3 (``float8_e4m3fn``). NVIDIA
 GPUs convert it in hardware from sm_89 (Ada) on; Triton refuses the conversion below (sm_80/86).
 AMD MI300 (gfx942) converts only the FNUZ variant (a different exponent bias and NaN), so reading
-the cache's bytes with it would be silently wrong; gfx950 (MI350) converts OCP. Where the
-hardware cannot, the kernels decode the bytes by integer operations, exactly
-(:func:`sparse_mla.core.fp8.e4m3_decode_exact`): the same values, NaN bytes included.
+the cache's bytes with it would be silently wrong; and Triton 3.6 lowers the e4m3 cast on every
+AMD target (gfx950, whose hardware converts OCP, included) to a software conversion that reads
+the NaN bytes as +-480. Where the hardware cannot (or Triton does not use it), the kernels decode
+the bytes by integer operations, exactly (:func:`sparse_mla.core.fp8.e4m3_decode_exact`): the
+same values, NaN bytes included.
 
 ``SPARSE_MLA_TARGET=sm_80`` (read when the package is imported; any known name whose features the
 GPU at hand has) makes every dispatcher choose as on that target: on an H100, ``sm_80`` runs
@@ -170,11 +172,13 @@ TARGETS: dict[str, Target] = {
         _nvidia(90, 227, "H100, H800, H200, H20"),
         _nvidia(100, 227, "B200, GB200"),
         _nvidia(120, 99, "RTX 50xx, RTX PRO 6000"),
-        # gfx942 converts FNUZ e4m3, not the caches' OCP e4m3; gfx1201's OCP conversion is not yet
-        # checked on hardware: both take the exact integer decode
+        # every AMD target takes the exact integer decode: Triton 3.6 lowers an fp8e4nv cast there
+        # to a software conversion (no v_cvt_*fp8 instruction, gfx950 included: bits shifted into
+        # an fp32 and multiplied by 2^120) that reads the NaN bytes 0x7F / 0xFF as +-480; and
+        # gfx942's FP8 hardware reads FNUZ, not the caches' OCP e4m3
         _amd("gfx90a", 64, 64, False, "MI200 (MI210, MI250X)"),
         _amd("gfx942", 64, 64, False, "MI300X, MI300A, MI325X"),
-        _amd("gfx950", 64, 160, True, "MI350X, MI355X"),
+        _amd("gfx950", 64, 160, False, "MI350X, MI355X"),
         _amd("gfx1100", 32, 64, False, "RX 7900, Radeon PRO W7900"),
         _amd("gfx1201", 32, 64, False, "RX 9070"),
     )
