@@ -296,6 +296,7 @@ def _error_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     # Triton's CompilationError starts with the source position; the cause is on the last line
     pick = lines[-1] if lines and type(e).__name__ == "CompilationError" else (lines[0] if lines else "")
+    pick = re.sub(r"/tmp/\S+", "<tmp>", pick)  # temporary files: the same error reads the same
     return f"{type(e).__name__}: {pick[:300]}"
 
 
