@@ -11,9 +11,9 @@ name runs.
 Why the FP8 decode differs: the V3.2 and MODEL1 caches store OCP e4m3 (``float8_e4m3fn``). NVIDIA
 GPUs convert it in hardware from sm_89 (Ada) on; Triton refuses the conversion below (sm_80/86).
 AMD MI300 (gfx942) converts only the FNUZ variant (a different exponent bias and NaN), so reading
-the cache's bytes with it would be silently wrong; and Triton 3.6 lowers the e4m3 cast on every
-AMD target (gfx950, whose hardware converts OCP, included) to a software conversion that reads
-the NaN bytes as +-480. Where the hardware cannot (or Triton does not use it), the kernels decode
+the cache's bytes with it would be silently wrong; and Triton 3.6 lowers the e4m3 cast on AMD,
+depending on the kernel, to the hardware's conversion (gfx950) or to a software one that reads
+the NaN bytes as +-480 (seen on every AMD target, gfx950 included). Where the hardware cannot (or Triton does not use it), the kernels decode
 the bytes by integer operations, exactly (:func:`sparse_mla.core.fp8.e4m3_decode_exact`): the
 same values, NaN bytes included.
 
@@ -172,10 +172,11 @@ TARGETS: dict[str, Target] = {
         _nvidia(90, 227, "H100, H800, H200, H20"),
         _nvidia(100, 227, "B200, GB200"),
         _nvidia(120, 99, "RTX 50xx, RTX PRO 6000"),
-        # every AMD target takes the exact integer decode: Triton 3.6 lowers an fp8e4nv cast there
-        # to a software conversion (no v_cvt_*fp8 instruction, gfx950 included: bits shifted into
-        # an fp32 and multiplied by 2^120) that reads the NaN bytes 0x7F / 0xFF as +-480; and
-        # gfx942's FP8 hardware reads FNUZ, not the caches' OCP e4m3
+        # every AMD target takes the exact integer decode: gfx942's FP8 hardware reads FNUZ, not
+        # the caches' OCP e4m3, and Triton 3.6 lowers an fp8e4nv cast on AMD either to the
+        # hardware's conversion (gfx950, in the portable decode: v_cvt_scalef32_pk_bf16_fp8) or to
+        # a software one (every AMD target, a plain cast kernel: bits into an fp32 times 2^120)
+        # that reads the NaN bytes 0x7F / 0xFF as +-480
         _amd("gfx90a", 64, 64, False, "MI200 (MI210, MI250X)"),
         _amd("gfx942", 64, 64, False, "MI300X, MI300A, MI325X"),
         _amd("gfx950", 64, 160, False, "MI350X, MI355X"),
