@@ -129,6 +129,7 @@ def cases(arch: int):
         SORTED=False,
         FOR_LOOP=True,
         PACK16=True,
+        ASM=True,
         INSIDE=tc.bisect // (32 * tc.bisect_warps),  # (a row of exactly `bisect` entries: no load masks)
     )
     yield "topk k=2048 bisect, unsorted", TB._topk_bisect_kernel, bis, tc.bisect_warps

@@ -64,3 +64,33 @@ def test_the_launcher_reads_no_private_attributes():
 
     src = inspect.getsource(launcher)
     assert "os.environ._data" not in src and "torch._C." not in src
+
+
+def test_launch_fitting_lowers_stages_then_halves_the_tile(monkeypatch):
+    """A variant that does not fit in shared memory: stages down to one, then the named tile side
+    halved down to its smallest; what fits is remembered, and past the smallest the error stands."""
+    import triton
+
+    budget = 100 * 1024
+    tried = []
+
+    def fake_launch(kernel, grid, args, consts, opts):
+        need = consts["NUM_STAGES"] * consts["BLOCK_N"] * 1024 * 2  # 2 KB a token a stage
+        tried.append((consts["NUM_STAGES"], consts["BLOCK_N"]))
+        if need > budget:
+            raise triton.runtime.errors.OutOfResources(need, budget, "shared memory")
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    monkeypatch.setattr(launcher, "_STAGE_CAP", {})
+    kernel = object()
+    launcher.launch_fitting(kernel, (1, 1, 1), (), {"BLOCK_N": 128}, 4, 3, "v", shrink=("BLOCK_N", 16))
+    assert tried == [(3, 128), (2, 128), (1, 128), (1, 64), (1, 32)]
+    tried.clear()
+    launcher.launch_fitting(kernel, (1, 1, 1), (), {"BLOCK_N": 128}, 4, 3, "v", shrink=("BLOCK_N", 16))
+    assert tried == [(1, 32)]  # remembered
+    with pytest.raises(triton.runtime.errors.OutOfResources):
+        launcher.launch_fitting(kernel, (1, 1, 1), (), {"BLOCK_N": 128}, 4, 2, "w", shrink=("BLOCK_N", 64))
+    tried.clear()
+    with pytest.raises(triton.runtime.errors.OutOfResources):  # nothing to shrink: stages only
+        launcher.launch_fitting(kernel, (1, 1, 1), (), {"BLOCK_N": 128}, 4, 2, "x")
+    assert tried == [(2, 128), (1, 128)]

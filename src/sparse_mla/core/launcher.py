@@ -251,29 +251,45 @@ def set_smem_carveout(compiled: Any, percent: int, device: int | None = None) ->
         _CARVEOUT_SET[key] = percent
 
 
-_STAGE_CAP: dict = {}  # (kernel, variant) -> most pipeline stages that fit in shared memory
+_STAGE_CAP: dict = {}  # (kernel, variant, warps) -> (pipeline stages, shrunk tile) that fit in shared memory
 
 
 def launch_fitting(
-    kernel: Any, grid: tuple[int, int, int], args: tuple, consts: dict, num_warps: int, num_stages: int, key: Any
+    kernel: Any,
+    grid: tuple[int, int, int],
+    args: tuple,
+    consts: dict,
+    num_warps: int,
+    num_stages: int,
+    key: Any,
+    shrink: tuple[str, int] | None = None,
 ) -> None:
     """:func:`launch` with ``NUM_STAGES = num_stages`` pipeline stages, or fewer when the variant
     does not fit in shared memory (seen: MODEL1 with an extra cache wants 246 KB at 2 stages on an
-    H200); the stage count that fits is remembered per ``(kernel, key)`` (``key``: what tells the
-    variants apart, e.g. the device and the constexprs)."""
+    H200); at one stage, ``shrink = (name, smallest)`` halves the power-of-two constexpr ``name``
+    (a tile side) down to ``smallest`` (GPUs with ~100 KB of shared memory: sm_86, sm_89, sm_120).
+    What fits is remembered per ``(kernel, key)`` (``key``: what tells the variants apart, e.g. the
+    device and the constexprs)."""
     import triton
 
     cap_key = (kernel, key, num_warps)
-    stages = min(num_stages, _STAGE_CAP.get(cap_key, num_stages))
+    stages, tile = _STAGE_CAP.get(cap_key, (num_stages, consts[shrink[0]] if shrink else None))
+    stages = min(stages, num_stages)
     while True:
+        run = {**consts, "NUM_STAGES": stages}
+        if shrink:
+            run[shrink[0]] = tile
         try:
-            launch(kernel, grid, args, {**consts, "NUM_STAGES": stages}, {"num_warps": num_warps})
+            launch(kernel, grid, args, run, {"num_warps": num_warps})
             return
         except triton.runtime.errors.OutOfResources:
-            if stages <= 1:
+            if stages > 1:
+                stages -= 1
+            elif shrink and tile // 2 >= shrink[1]:
+                tile //= 2
+            else:
                 raise
-            stages -= 1
-            _STAGE_CAP[cap_key] = stages
+            _STAGE_CAP[cap_key] = (stages, tile)
 
 
 # --------------------------------------------------------------------------------------------

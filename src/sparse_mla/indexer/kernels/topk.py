@@ -15,7 +15,7 @@ from ...core.checks import check_apart, check_no_self_overlap
 from ...core.env import cdiv, interpreting, next_pow2, require_runnable
 from ...core.launcher import launch as launch_kernel
 from ...core.paging import table_slots
-from ...core.target import pdl_enabled
+from ...core.target import device_target, pdl_enabled
 from ..problem import check_tensor_arg
 from .common import resolve_config, sm_count, split_work
 from .topk_bisect import (
@@ -285,6 +285,7 @@ def launch_topk(
              cand, cand.stride(0)),
             dict(N_P2=n_p2, BLOCK=block, K_P2=k_p2, CAP=cap, THREADS=32 * warps, TIE_BITS=n_p2.bit_length() - 1,
                  SLOTS=slots, SORTED=bool(ordered), FOR_LOOP=for_loop, PACK16=n_p2 >= 64 * warps,
+                 ASM=for_loop and device_target(logits.device).vendor == "nvidia",
                  INSIDE=(n_p2 if n == n_p2 else n_p2 // 2 if 2 * n > n_p2 else 0) // (32 * warps)),
             {"num_warps": warps},
         )  # fmt: skip

@@ -233,7 +233,7 @@ def _topk_bisect_kernel(
     x_ptr, stride_xr, lo_ptr, hi_ptr, scr_ptr, stride_sr, out_ptr, stride_or, n, k, table, cand_ptr, stride_cr,
     N_P2: tl.constexpr, BLOCK: tl.constexpr, K_P2: tl.constexpr, CAP: tl.constexpr, THREADS: tl.constexpr,
     TIE_BITS: tl.constexpr, SLOTS: tl.constexpr, SORTED: tl.constexpr, FOR_LOOP: tl.constexpr,
-    PACK16: tl.constexpr, INSIDE: tl.constexpr,
+    PACK16: tl.constexpr, INSIDE: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(rows,)``, rows of at most ``N_P2`` entries (``2^TIE_BITS``), ``THREADS`` threads a program: the row's
     keys read once into registers (entry ``i`` of thread ``t``: position ``i * THREADS + t``); the
@@ -247,7 +247,8 @@ def _topk_bisect_kernel(
     found) take the select pass over the row instead. ``table``: ``(bt_ptr, stride_bt, n_log, pbs,
     next_n)`` (``SLOTS``). ``PACK16``: bits 1..14 two keys a register (:func:`_bisect_down16`; rows of
     two or more entries a thread). ``INSIDE``: the entries a thread holds that lie inside the row for
-    certain (their loads take no mask, :func:`_row_chunk`)."""
+    certain (their loads take no mask, :func:`_row_chunk`). ``ASM``: the packed fp16 comparisons as
+    inline PTX (compiled for NVIDIA; AMD and the interpreter compare the lanes as integers)."""
     tl.static_assert(N_P2 % THREADS == 0 and CAP % THREADS == 0, "rows and lists fill every thread")
     tl.static_assert(not PACK16 or N_P2 >= 2 * THREADS, "two keys a thread to pack")
     bt_ptr, stride_bt, n_log, pbs, next_n = table
@@ -264,7 +265,7 @@ def _topk_bisect_kernel(
         if PACK16:  # the top bit, then bits 1..14 two keys a register, then the rest
             kth, cnt, b = _bisect_down(ukey, tl.zeros([], tl.uint32), hi - lo, tl.zeros([], tl.int32), kk, CAP, 1)
             if cnt > CAP:
-                kth, cnt, b = _bisect_down16(ukey, kth, cnt, b, kk, CAP, THREADS, FOR_LOOP)  # (FOR_LOOP: compiled)
+                kth, cnt, b = _bisect_down16(ukey, kth, cnt, b, kk, CAP, THREADS, ASM)
             kth, cnt, b = _bisect_down(ukey, kth, cnt, b, kk, CAP)
         else:
             kth, cnt, b = _bisect_down(ukey, tl.zeros([], tl.uint32), hi - lo, tl.zeros([], tl.int32), kk, CAP)
