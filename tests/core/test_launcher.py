@@ -68,7 +68,8 @@ def test_the_launcher_reads_no_private_attributes():
 
 def test_launch_fitting_lowers_stages_then_halves_the_tile(monkeypatch):
     """A variant that does not fit in shared memory: stages down to one, then the named tile side
-    halved down to its smallest; what fits is remembered, and past the smallest the error stands."""
+    halved and every stage count again, down to its smallest tile; what fits is remembered, and
+    past the smallest the error stands."""
     import triton
 
     budget = 100 * 1024
@@ -76,6 +77,7 @@ def test_launch_fitting_lowers_stages_then_halves_the_tile(monkeypatch):
 
     def fake_launch(kernel, grid, args, consts, opts):
         need = consts["NUM_STAGES"] * consts["BLOCK_N"] * 1024 * 2  # 2 KB a token a stage
+        need += 64 * 1024 * (consts["NUM_STAGES"] == 1)  # (one stage: a layout conversion's scratch)
         tried.append((consts["NUM_STAGES"], consts["BLOCK_N"]))
         if need > budget:
             raise triton.runtime.errors.OutOfResources(need, budget, "shared memory")
@@ -84,10 +86,11 @@ def test_launch_fitting_lowers_stages_then_halves_the_tile(monkeypatch):
     monkeypatch.setattr(launcher, "_STAGE_CAP", {})
     kernel = object()
     launcher.launch_fitting(kernel, (1, 1, 1), (), {"BLOCK_N": 128}, 4, 3, "v", shrink=("BLOCK_N", 16))
-    assert tried == [(3, 128), (2, 128), (1, 128), (1, 64), (1, 32)]
+    # (one stage at 32 needs 128 KB with the scratch; three stages at 16 fit in 96 KB)
+    assert tried == [(3, 128), (2, 128), (1, 128), (3, 64), (2, 64), (1, 64), (3, 32), (2, 32), (1, 32), (3, 16)]
     tried.clear()
     launcher.launch_fitting(kernel, (1, 1, 1), (), {"BLOCK_N": 128}, 4, 3, "v", shrink=("BLOCK_N", 16))
-    assert tried == [(1, 32)]  # remembered
+    assert tried == [(3, 16)]  # remembered
     with pytest.raises(triton.runtime.errors.OutOfResources):
         launcher.launch_fitting(kernel, (1, 1, 1), (), {"BLOCK_N": 128}, 4, 2, "w", shrink=("BLOCK_N", 64))
     tried.clear()

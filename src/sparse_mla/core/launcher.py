@@ -266,14 +266,17 @@ def launch_fitting(
 ) -> None:
     """:func:`launch` with ``NUM_STAGES = num_stages`` pipeline stages, or fewer when the variant
     does not fit in shared memory (seen: MODEL1 with an extra cache wants 246 KB at 2 stages on an
-    H200); at one stage, ``shrink = (name, smallest)`` halves the power-of-two constexpr ``name``
-    (a tile side) down to ``smallest`` (GPUs with ~100 KB of shared memory: sm_86, sm_89, sm_120).
-    What fits is remembered per ``(kernel, key)`` (``key``: what tells the variants apart, e.g. the
-    device and the constexprs)."""
+    H200); when no stage count fits, ``shrink = (name, smallest)`` halves the power-of-two
+    constexpr ``name`` (a tile side) down to ``smallest`` and tries every stage count again (GPUs
+    with ~100 KB of shared memory: sm_86, sm_89, sm_120; fewer stages do not always take less
+    shared memory: Triton's layout conversions can take more than a pipeline stage). What fits is
+    remembered per ``(kernel, key)`` (``key``: what tells the variants apart, e.g. the device and
+    the constexprs)."""
     import triton
 
     cap_key = (kernel, key, num_warps)
-    stages, tile = _STAGE_CAP.get(cap_key, (num_stages, consts[shrink[0]] if shrink else None))
+    tile = consts[shrink[0]] if shrink else None
+    stages, tile = _STAGE_CAP.get(cap_key, (num_stages, tile))
     stages = min(stages, num_stages)
     while True:
         run = {**consts, "NUM_STAGES": stages}
@@ -286,7 +289,7 @@ def launch_fitting(
             if stages > 1:
                 stages -= 1
             elif shrink and tile // 2 >= shrink[1]:
-                tile //= 2
+                tile, stages = tile // 2, num_stages
             else:
                 raise
             _STAGE_CAP[cap_key] = (stages, tile)
