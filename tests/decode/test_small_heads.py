@@ -236,9 +236,9 @@ def test_portable_launch_uses_the_tile(h_q, monkeypatch):
     launches = []
     real = portable_mod.launch_fitting
 
-    def spy(kernel, grid, args, consts, *rest):
+    def spy(kernel, grid, args, consts, *rest, **kw):
         launches.append((grid, consts))
-        return real(kernel, grid, args, consts, *rest)
+        return real(kernel, grid, args, consts, *rest, **kw)
 
     monkeypatch.setattr(portable_mod, "launch_fitting", spy)
     s_q, num_sms = 2, 24

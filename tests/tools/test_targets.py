@@ -60,6 +60,7 @@ def _doc_claims(name: str) -> dict[str, str]:
     return {c[0]: c[col] for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in lines[1:])}
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_compile_matrix(name):
     from sparse_mla.tools.targets import matrix_subprocess
