@@ -26,6 +26,7 @@ import torch
 from sparse_mla.core import launcher
 from sparse_mla.decode import backends
 from sparse_mla.decode.kernels import combine, hopper, portable, schedule
+from sparse_mla.tools.targets import Patches as _Patches
 
 __all__ = ["stub_compiled_launches", "KERNELS"]
 
@@ -90,22 +91,3 @@ def stub_compiled_launches(record: bool = True) -> Iterator[list]:
         yield log
     finally:
         mp.undo()
-
-
-class _Patches:
-    """Attribute patches, undone in reverse order."""
-
-    def __init__(self) -> None:
-        self._undo: list = []
-
-    def setattr(self, obj: Any, name: str, value: Any) -> None:
-        self._undo.append((obj, name, name in vars(obj), getattr(obj, name, None)))
-        setattr(obj, name, value)
-
-    def undo(self) -> None:
-        while self._undo:
-            obj, name, had, old = self._undo.pop()
-            if had:
-                setattr(obj, name, old)
-            else:
-                delattr(obj, name)

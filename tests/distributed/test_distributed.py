@@ -71,6 +71,12 @@ def test_localize_indices():
     assert localize_indices(ix, 5, 10, torch.tensor([2], dtype=torch.int32)).tolist() == [[[-1, 0, -1, -1, -1, -1]]]
 
 
+def _spawn(worker, world: int, *args) -> None:
+    """Run ``worker(rank, world, init_file, *args)`` in ``world`` processes (a gloo group)."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(worker, args=(world, os.path.join(d, "init"), *args), nprocs=world, join=True)
+
+
 def _worker(rank, world, init_file, offsets_blocks, case):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -106,8 +112,7 @@ def _worker(rank, world, init_file, offsets_blocks, case):
 )
 def test_context_parallel_decode_matches_one_device(offsets_blocks, case):
     world = len(offsets_blocks) - 1
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "init"), offsets_blocks, case), nprocs=world, join=True)
+    _spawn(_worker, world, offsets_blocks, case)
 
 
 def _disagreeing_worker(rank, world, init_file, case):
@@ -144,8 +149,7 @@ def _disagreeing_worker(rank, world, init_file, case):
 @needs_gloo
 @pytest.mark.parametrize("case", ["offsets", "sink", "shape"])
 def test_ranks_that_disagree_raise_on_every_rank(case):
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_disagreeing_worker, args=(2, os.path.join(d, "init"), case), nprocs=2, join=True)
+    _spawn(_disagreeing_worker, 2, case)
 
 
 def _checksum_by_definition(values: list[int]) -> int:
@@ -261,8 +265,7 @@ def _argument_worker(rank, world, init_file):
 
 @needs_gloo
 def test_ranks_that_disagree_on_an_argument_raise_on_every_rank():
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_argument_worker, args=(2, os.path.join(d, "init")), nprocs=2, join=True)
+    _spawn(_argument_worker, 2)
 
 
 def _agreeing_worker(rank, world, init_file):
@@ -296,8 +299,7 @@ def _agreeing_worker(rank, world, init_file):
 
 @needs_gloo
 def test_ranks_that_agree_as_the_decode_reads_them_match_one_device():
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_agreeing_worker, args=(2, os.path.join(d, "init")), nprocs=2, join=True)
+    _spawn(_agreeing_worker, 2)
 
 
 def test_not_initialised_raises():

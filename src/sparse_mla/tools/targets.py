@@ -114,8 +114,8 @@ class _TargetDriver:
         return True
 
 
-class _Patches:
-    """Attribute patches, undone in reverse order."""
+class Patches:
+    """Attribute patches, undone in reverse order (also what ``benchmarks/launch_stub.py`` stubs with)."""
 
     def __init__(self) -> None:
         self._undo: list = []
@@ -261,7 +261,7 @@ def compiling_for(t: Target | str, case: str = "") -> Iterator[list[Launch]]:
             raise OutOfResources(rec.shared, t.shared_bytes, "shared memory")
         return None
 
-    mp = _Patches()
+    mp = Patches()
     saved_driver = driver._active
     saved_env = os.environ.get("SPARSE_MLA_DIRECT_LAUNCH")
     try:
