@@ -82,3 +82,25 @@ def test_the_local_gpu_gets_its_capabilitys_features():
     cc = torch.cuda.get_device_capability()
     assert (t.fp8_convert, t.pdl, t.hopper) == (cc >= (8, 9), cc >= (9, 0), cc[0] == 9)
     assert t.shared_bytes == torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+
+
+def test_a_bad_sparse_mla_target_is_an_error_on_every_device(monkeypatch):
+    import sparse_mla as flash_mla
+    from sparse_mla.core import target as target_mod
+
+    monkeypatch.setattr(target_mod, "_TARGET_ENV", "bogus")
+    with pytest.raises(ValueError, match=r"^SPARSE_MLA_TARGET: expected one of sm_80, "):
+        device_target(torch.device("cpu"))
+    logits = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"^SPARSE_MLA_TARGET: expected one of"):
+        flash_mla.topk_indices(logits, 3)  # (the reference twin would serve it on a CPU)
+    monkeypatch.setattr(target_mod, "_TARGET_ENV", "auto")
+    assert flash_mla.topk_indices(logits, 3).shape == (2, 3)
+
+
+def test_the_table_is_read_only_and_takes_rocminfo_names():
+    with pytest.raises(TypeError):
+        TARGETS["sm_75"] = TARGETS["sm_80"]  # type: ignore[index]
+    assert target("gfx942:sramecc+:xnack-") is TARGETS["gfx942"]
+    with pytest.raises(TypeError, match="^device: expected a torch.device"):
+        device_target("cpu")  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .env import backend_override, interpreting, use_triton
+from .target import emulated_target
 
 __all__ = [
     "Backend",
@@ -51,7 +52,7 @@ def sm90_unsupported(dev: torch.device) -> str | None:
     kernels on an sm_90 GPU."""
     if dev.type != "cuda" or interpreting():
         return "needs a CUDA device and compiled kernels (not TRITON_INTERPRET=1)"
-    from .target import device_target, emulated_target
+    from .target import device_target
 
     t = device_target(dev)
     if not t.hopper:
@@ -149,6 +150,7 @@ class BackendSet:
         source = "backend"
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+        emulated_target()  # a bad SPARSE_MLA_TARGET is an error on every device, CPUs included
         if backend == "auto":
             override = backend_override()
             if override is not None:

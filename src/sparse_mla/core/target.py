@@ -28,7 +28,8 @@ import contextlib
 import dataclasses
 import functools
 import os
-from collections.abc import Iterator
+import types
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -163,27 +164,29 @@ def _amd(gfx: str, warp: int, lds_kib: int, ocp_fp8: bool, products: str) -> Tar
 
 
 #: every target the library knows, by name (the compile matrix's rows)
-TARGETS: dict[str, Target] = {
-    t.name: t
-    for t in (
-        _nvidia(80, 163, "A100, A800, A30"),
-        _nvidia(86, 99, "A10, A40, RTX 30xx, RTX A6000"),
-        _nvidia(89, 99, "L4, L40S, RTX 40xx"),
-        _nvidia(90, 227, "H100, H800, H200, H20"),
-        _nvidia(100, 227, "B200, GB200"),
-        _nvidia(120, 99, "RTX 50xx, RTX PRO 6000"),
-        # every AMD target takes the exact integer decode: gfx942's FP8 hardware reads FNUZ, not
-        # the caches' OCP e4m3, and Triton 3.6 lowers an fp8e4nv cast on AMD either to the
-        # hardware's conversion (gfx950, in the portable decode: v_cvt_scalef32_pk_bf16_fp8) or to
-        # a software one (every AMD target, a plain cast kernel: bits into an fp32 times 2^120)
-        # that reads the NaN bytes 0x7F / 0xFF as +-480
-        _amd("gfx90a", 64, 64, False, "MI200 (MI210, MI250X)"),
-        _amd("gfx942", 64, 64, False, "MI300X, MI300A, MI325X"),
-        _amd("gfx950", 64, 160, False, "MI350X, MI355X"),
-        _amd("gfx1100", 32, 64, False, "RX 7900, Radeon PRO W7900"),
-        _amd("gfx1201", 32, 64, False, "RX 9070"),
-    )
-}
+TARGETS: Mapping[str, Target] = types.MappingProxyType(
+    {
+        t.name: t
+        for t in (
+            _nvidia(80, 163, "A100, A800, A30"),
+            _nvidia(86, 99, "A10, A40, RTX 30xx, RTX A6000"),
+            _nvidia(89, 99, "L4, L40S, RTX 40xx"),
+            _nvidia(90, 227, "H100, H800, H200, H20"),
+            _nvidia(100, 227, "B200, GB200"),
+            _nvidia(120, 99, "RTX 50xx, RTX PRO 6000"),
+            # every AMD target takes the exact integer decode: gfx942's FP8 hardware reads FNUZ, not
+            # the caches' OCP e4m3, and Triton 3.6 lowers an fp8e4nv cast on AMD either to the
+            # hardware's conversion (gfx950, in the portable decode: v_cvt_scalef32_pk_bf16_fp8) or to
+            # a software one (every AMD target, a plain cast kernel: bits into an fp32 times 2^120)
+            # that reads the NaN bytes 0x7F / 0xFF as +-480
+            _amd("gfx90a", 64, 64, False, "MI200 (MI210, MI250X)"),
+            _amd("gfx942", 64, 64, False, "MI300X, MI300A, MI325X"),
+            _amd("gfx950", 64, 160, False, "MI350X, MI355X"),
+            _amd("gfx1100", 32, 64, False, "RX 7900, Radeon PRO W7900"),
+            _amd("gfx1201", 32, 64, False, "RX 9070"),
+        )
+    }
+)
 
 #: Triton's CPU interpreter: the integer FP8 decode (its e4m3 cast reads NaN bytes as +-480)
 INTERPRETER = Target("interpreter", "cpu", "cpu", 32, 1 << 30, False, False, False, False, False, "any CPU")
@@ -197,7 +200,7 @@ def target(name: str) -> Target:
     """
     if not isinstance(name, str):
         raise TypeError(f"target: expected a str, got {type(name).__name__}")
-    key = name.strip().lower()
+    key = name.strip().lower().split(":")[0]  # (rocminfo's "gfx942:sramecc+:xnack-")
     if key in ("sm_90", "sm_100"):
         key += "a"
     if key == "interpreter":
@@ -219,6 +222,9 @@ def device_target(device: torch.device) -> Target:
     """
     if _DISPATCHING is not None:
         return _DISPATCHING
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device: expected a torch.device, got {type(device).__name__}")
+    emulated_target()  # (a bad SPARSE_MLA_TARGET is an error on every device)
     if device.type != "cuda" or interpreting():
         return INTERPRETER
     index = torch.cuda.current_device() if device.index is None else device.index

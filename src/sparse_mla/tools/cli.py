@@ -606,10 +606,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cannot allocate: one line on stderr; ``SPARSE_MLA_TRACEBACK=1`` raises instead)."""
     args = build_parser().parse_args(argv)
     try:
+        from ..core.target import emulated_target
         from ..decode.backends import check_backend_override
 
         check_backend_override()  # a usage error whichever path the command takes (the CUDA demo's
         # --reference calls the twin directly and would never read it)
+        emulated_target()  # likewise SPARSE_MLA_TARGET
         return int(args.func(args))
     except (ValueError, TypeError, MemoryError, RuntimeError) as e:
         if os.environ.get("SPARSE_MLA_TRACEBACK") == "1" or (

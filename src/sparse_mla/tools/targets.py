@@ -309,7 +309,7 @@ PTX_PATTERNS = {
     "cp.async.bulk": r"cp\.async\.bulk",
     "wgmma": r"wgmma\.",
     "cvt.e4m3": r"cvt\.[a-z0-9.]*e4m3",
-    "mma.e4m3": r"mma[a-z0-9._]*\.e4m3",
+    "mma.e4m3": r"mma[a-z0-9._:]*\.(?:e4m3|kind::f8f6f4)",
     "cp.async": r"cp\.async\.c[ag]\.",
     "setmaxnreg": r"setmaxnreg\.",
 }
@@ -809,7 +809,14 @@ def cmd_targets(args: Any) -> int:
 
     names = args.target or None
     for n in names or ():
-        target(n)  # a ValueError naming the known targets
+        if target(n).vendor == "cpu":  # (target() raises a ValueError naming the known targets)
+            raise ValueError("--target: the interpreter has no compile target; name a GPU target")
+    if args.json:
+        from .serve_sim_cli import json_path_problem
+
+        why = json_path_problem(args.json)
+        if why is not None:
+            raise ValueError(f"--json: {why}")
     m = matrix_subprocess(names) if interpreting() else matrix(names)
     if args.json:
         with open(args.json, "w") as f:
