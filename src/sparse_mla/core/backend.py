@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .env import backend_override, interpreting, use_triton
-from .target import emulated_target
+from .target import device_target, emulated_target
 
 __all__ = [
     "Backend",
@@ -52,8 +52,6 @@ def sm90_unsupported(dev: torch.device) -> str | None:
     kernels on an sm_90 GPU."""
     if dev.type != "cuda" or interpreting():
         return "needs a CUDA device and compiled kernels (not TRITON_INTERPRET=1)"
-    from .target import device_target
-
     t = device_target(dev)
     if not t.hopper:
         as_ = " as SPARSE_MLA_TARGET asks" if emulated_target() is not None else ""

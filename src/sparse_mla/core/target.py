@@ -13,9 +13,9 @@ GPUs convert it in hardware from sm_89 (Ada) on; Triton refuses the conversion b
 AMD MI300 (gfx942) converts only the FNUZ variant (a different exponent bias and NaN), so reading
 the cache's bytes with it would be silently wrong; and Triton 3.6 lowers the e4m3 cast on AMD,
 depending on the kernel, to the hardware's conversion (gfx950) or to a software one that reads
-the NaN bytes as +-480 (seen on every AMD target, gfx950 included). Where the hardware cannot (or Triton does not use it), the kernels decode
-the bytes by integer operations, exactly (:func:`sparse_mla.core.fp8.e4m3_decode_exact`): the
-same values, NaN bytes included.
+the NaN bytes as +-480 (seen on every AMD target, gfx950 included). Where the hardware cannot (or
+Triton does not use it), the kernels decode the bytes by integer operations, exactly
+(:func:`sparse_mla.core.fp8.e4m3_decode_exact`): the same values, NaN bytes included.
 
 ``SPARSE_MLA_TARGET=sm_80`` (read when the package is imported; any known name whose features the
 GPU at hand has) makes every dispatcher choose as on that target: on an H100, ``sm_80`` runs
@@ -131,9 +131,14 @@ class Target:
 _FEATURES = ("fp8_convert", "fp8_dot", "pdl", "tma", "hopper")
 
 
+def _sm_name(cc: int) -> str:
+    """``sm_80`` .. ``sm_120``; Hopper and datacenter Blackwell with their ``a`` suffix."""
+    return f"sm_{cc}" + ("a" if cc in (90, 100) else "")
+
+
 def _nvidia(cc: int, shared_kib: int, products: str) -> Target:
     return Target(
-        name=f"sm_{cc}" + ("a" if cc in (90, 100) else ""),
+        name=_sm_name(cc),
         vendor="nvidia",
         arch=cc,
         warp_size=32,
@@ -242,7 +247,7 @@ def _cuda_device_target(index: int) -> Target:
         known = [t for t in TARGETS.values() if t.vendor == "nvidia" and t.arch <= cc]
         base = max(known, key=lambda t: t.arch) if known else TARGETS["sm_80"]
         # the newest known target's features, its own shared memory and name
-        t = dataclasses.replace(base, name=f"sm_{cc}" + ("a" if cc in (90, 100) else ""), arch=cc, hopper=cc == 90)
+        t = dataclasses.replace(base, name=_sm_name(cc), arch=cc, hopper=cc == 90)
         smem = getattr(props, "shared_memory_per_block_optin", 0)
         if smem:
             t = dataclasses.replace(t, shared_bytes=int(smem))

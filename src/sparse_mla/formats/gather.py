@@ -38,8 +38,9 @@ ADDR_GENERAL = tl.constexpr(2)  # integer division
 def e4m3_to(k8, DOT_DTYPE: tl.constexpr, FP8_HW: tl.constexpr):
     """Cache bytes (OCP e4m3) -> dot operands: by the hardware's e4m3 conversion where the target
     has one (``FP8_HW``, :attr:`sparse_mla.core.target.Target.fp8_convert`), else by the exact
-    integer decode: sm_80/86 and AMD gfx90a/gfx942 (whose FP8 hardware reads FNUZ, not OCP),
-    and the interpreter, whose e4m3 cast reads the NaN bytes as +-480. The same values."""
+    integer decode: sm_80/86, every AMD target (gfx942's FP8 hardware reads FNUZ; Triton's AMD
+    cast can read the NaN bytes as +-480) and the interpreter, whose e4m3 cast reads them so too.
+    The same values."""
     if FP8_HW:
         return k8.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
     else:

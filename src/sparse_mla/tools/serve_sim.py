@@ -172,11 +172,11 @@ class ServeSimConfig:
                 f"{self.steps} steps ({n('steps')}) and one warm-up step; raise {n('max_context')} or lower "
                 f"{n('min_context')} or {n('steps')}"
             )
-        slots = self.batch * -(-self.max_context // self.page_block_size) * self.page_block_size
+        one = -(-self.max_context // self.page_block_size) * self.page_block_size  # one request's slots
+        slots = self.batch * one
         if slots > INT32_MAX:
             # blame a page larger than the context (its padding makes the slots), then a context too
             # long for one request, else the number of requests
-            one = -(-self.max_context // self.page_block_size) * self.page_block_size
             culprit = (
                 "page_block_size"
                 if self.page_block_size > self.max_context
