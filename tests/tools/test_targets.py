@@ -65,9 +65,15 @@ def _doc_claims(name: str) -> dict[str, str]:
 def test_compile_matrix(name):
     from sparse_mla.tools.targets import matrix_subprocess
 
-    r = matrix_subprocess([name], quick=True, timeout=900)["targets"][name]
+    lines: list[str] = []
+    r = matrix_subprocess([name], quick=True, timeout=900, progress=lines.append)["targets"][name]
+    # one line as the target starts, one with its verdict
+    assert len(lines) == 2 and lines[0].startswith(f"[1/1] {name}: compiling"), lines
     if r["toolchain"]:
+        assert "no toolchain" in lines[1], lines
         pytest.skip(f"this Triton cannot compile for {name}: {r['toolchain']}")
+    bad = sorted(op for op, c in r["operations"].items() if c["status"] != "compiled")
+    assert lines[1].startswith(f"[1/1] {name}: " + ("all compiled" if not bad else "not compiled: " + ", ".join(bad)))
     t = TARGETS[name]
     ops = r["operations"]
     failing = {op: c["why"] for op, c in ops.items() if c["status"] == "fails"}

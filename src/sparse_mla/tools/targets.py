@@ -675,17 +675,24 @@ def toolchain_unsupported(t: Target) -> str | None:
     return log[0].error if log else "nothing was compiled"
 
 
-def matrix(names: Sequence[str] | None = None, cases: Sequence[Case] = CASES) -> dict:
+def matrix(
+    names: Sequence[str] | None = None,
+    cases: Sequence[Case] = CASES,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     """The compile matrix as a JSON-able dict: ``{"triton", "targets": {name: {"toolchain",
     "operations": summarize(...), "launches": [...]}}}`` for ``names`` (default: every target).
-    Runs in this process (see :func:`compiling_for`)."""
+    Runs in this process (see :func:`compiling_for`). ``progress``, if given, is called with one
+    line before and after each target (a cold Triton cache takes minutes a target)."""
     import triton
 
     names = list(TARGETS) if names is None else [target(n).name for n in names]
     out: dict = {"triton": triton.__version__, "targets": {}}
-    for name in names:
+    for i, name in enumerate(names, 1):
         t = TARGETS[name]
         t0 = time.perf_counter()
+        if progress:
+            progress(f"[{i}/{len(names)}] {name}: compiling {len(cases)} calls")
         why = toolchain_unsupported(t)
         launches = [] if why else compile_cases(t, cases)
         out["targets"][name] = {
@@ -696,13 +703,25 @@ def matrix(names: Sequence[str] | None = None, cases: Sequence[Case] = CASES) ->
             ],
             "seconds": round(time.perf_counter() - t0, 1),
         }
+        if progress:
+            ops = out["targets"][name]["operations"]
+            bad = sorted(op for op, c in ops.items() if c["status"] != "compiled")
+            verdict = (
+                f"no toolchain ({why})" if why else ("all compiled" if not bad else "not compiled: " + ", ".join(bad))
+            )
+            progress(f"[{i}/{len(names)}] {name}: {verdict} ({out['targets'][name]['seconds']:.0f} s)")
     return out
 
 
-def matrix_subprocess(names: Sequence[str] | None = None, quick: bool = False, timeout: float | None = None) -> dict:
+def matrix_subprocess(
+    names: Sequence[str] | None = None,
+    quick: bool = False,
+    timeout: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     """:func:`matrix` computed in a new Python process without ``TRITON_INTERPRET`` (for callers
     whose kernels are interpreted: the tests, ``targets`` under the interpreter); ``quick``:
-    :data:`QUICK_CASES` only.
+    :data:`QUICK_CASES` only; ``progress`` receives the process's per-target lines (after it ends).
 
     Raises:
         RuntimeError: the process failed (its last output lines in the message).
@@ -719,9 +738,14 @@ def matrix_subprocess(names: Sequence[str] | None = None, quick: bool = False, t
             "--json",
             path,
             *(["--quick"] if quick else []),
+            *(["--progress"] if progress else []),
             *(names or []),
         ]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if progress:
+            for line in r.stderr.splitlines():
+                if line.startswith("["):
+                    progress(line)
         if r.returncode != 0 or not os.path.exists(path):
             tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
             raise RuntimeError(f"the compile matrix failed (exit {r.returncode}):\n{tail}")
@@ -817,7 +841,11 @@ def cmd_targets(args: Any) -> int:
         why = json_path_problem(args.json)
         if why is not None:
             raise ValueError(f"--json: {why}")
-    m = matrix_subprocess(names) if interpreting() else matrix(names)
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    m = matrix_subprocess(names, progress=say) if interpreting() else matrix(names, progress=say)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(m, f, indent=1, default=str)
@@ -860,9 +888,14 @@ def _main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--markdown", default=None, help="also write the Markdown table here")
+    ap.add_argument("--progress", action="store_true", help="one line per target on stderr")
     ap.add_argument("targets", nargs="*")
     a = ap.parse_args(argv)
-    m = matrix(a.targets or None, QUICK_CASES if a.quick else CASES)
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    m = matrix(a.targets or None, QUICK_CASES if a.quick else CASES, progress=say if a.progress else None)
     with open(a.json, "w") as f:
         json.dump(m, f, indent=1, default=str)
     if a.markdown:
