@@ -115,6 +115,30 @@ def test_kernel_matches_twin(monkeypatch, chunk):
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (name, b, parts, topk, extra)
 
 
+@pytest.mark.parametrize(
+    ("b", "parts", "whole"), [(64, 33, True), (128, 66, True), (6, 3, True), (2, 33, False), (1, 5, False)]
+)
+def test_equal_lengths_take_the_host_partition(b, parts, whole):
+    """Batches of one length are not split where a whole number of them fits the host scheduler's
+    payload: the same partition as the host's, no accumulator rows (each split cost a combine)."""
+    from sparse_mla.decode.backends import dynamic_table
+    from sparse_mla.decode.kernels import schedule as kernel
+    from sparse_mla.decode.scheduler import schedule
+
+    tl = torch.full((b,), 2048, dtype=torch.int32)
+    main, total = length_block_counts(b, 2048, tl)
+    got = schedule_from_lengths(main, total, parts)
+    check_partition(got, total.tolist(), parts)
+    host = schedule(total.tolist(), parts, main_blocks=main.tolist())
+    assert torch.equal(got.metadata, host.metadata) == whole
+    assert (int(got.acc_rows[-1]) == 0) == whole
+    if KERNELS:
+        into = dynamic_table(b, parts, torch.device(DEVICE))
+        made = kernel.schedule_fwd(tl.to(DEVICE), None, 2048, 0, into)
+        for name in ("metadata", "num_splits", "acc_rows", "main_blocks", "num_blocks_t"):
+            assert torch.equal(getattr(made, name).cpu(), getattr(got, name)), name
+
+
 # ---------------------------------------------------------------- reuse while the lengths change
 
 

@@ -335,6 +335,10 @@ def schedule_from_lengths(
     c = c_next - cost
     total = c_next[-1]
     cap = (total + num_sm_parts - 1) // num_sm_parts
+    # batches of one cost that fit whole in the host scheduler's payload (cap + overhead): a
+    # partition takes a whole number of them, as :func:`schedule` does, instead of splitting
+    whole = (cap + cost.max() - 1) // cost.max() * cost.max()
+    cap = torch.where((cost.min() == cost.max()) & (whole <= cap + fixed_overhead), whole, cap)
     start = torch.arange(num_sm_parts, device=dev) * cap
     end = torch.minimum(start + cap, total)
     # the batch whose cost span holds the start, and the last one whose blocks begin before the end

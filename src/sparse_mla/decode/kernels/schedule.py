@@ -4,7 +4,10 @@ Twin: :func:`sparse_mla.decode.scheduler.schedule_from_lengths`.
 
 One program per partition. Each reads the lengths (``CHUNK`` batches at a time), lays the batches'
 costs end to end and finds the blocks of its own range: no program waits for another, and the
-partition's row depends on nothing but the lengths. Program 0 also writes the per-batch tensors
+partition's row depends on nothing but the lengths. The partitions are equal spans of the cost line (blocks plus a
+fixed overhead per batch), except that batches of one cost are never split when a whole number
+of them fits the host scheduler's payload: the host's partition then (every batch at ``topk``, the
+common case with lengths given), with no combine work. Program 0 also writes the per-batch tensors
 (``main_blocks``, ``num_blocks``, the ``num_splits`` and ``acc_rows`` prefix sums). Launched on the
 decode's stream before the decode kernel, it is part of every call: the schedule always belongs to
 the lengths the step runs with, eagerly and in CUDA-graph replays.
@@ -60,17 +63,26 @@ def _schedule_kernel(
     offs = tl.arange(0, CHUNK)
     main_full = (topk.to(tl.int64) + SB - 1) // SB
     extra_full = (extra_topk.to(tl.int64) + SB - 1) // SB
-    # the length of the cost line
+    # the length of the cost line, and the least and most cost of a batch
     total = tl.zeros([], tl.int64)
+    c_min = tl.zeros([], tl.int64) + (1 << 62)
+    c_max = tl.zeros([], tl.int64)
     c0 = 0
     while c0 < b:  # (while loops: the interpreter's range() cannot take a runtime bound with NumPy >= 2.4)
         i = c0 + offs
         m = i < b
         mb = _blocks(len_ptr, i, m, main_full, topk, HAS_LEN, SB)
         eb = _blocks(extra_len_ptr, i, m, extra_full, extra_topk, HAS_EXTRA_LEN, SB)
-        total += tl.sum(tl.where(m, tl.maximum(mb + eb, 1) + OVERHEAD, 0))
+        cost = tl.maximum(mb + eb, 1) + OVERHEAD
+        total += tl.sum(tl.where(m, cost, 0))
+        c_min = tl.minimum(c_min, tl.min(tl.where(m, cost, 1 << 62), 0))
+        c_max = tl.maximum(c_max, tl.max(tl.where(m, cost, 0), 0))
         c0 += CHUNK
     cap = (total + num_parts - 1) // num_parts
+    # batches of one cost that fit whole in the host scheduler's payload (cap + overhead): a
+    # partition takes a whole number of them, as the host scheduler does, instead of splitting
+    whole = (cap + c_max - 1) // c_max * c_max
+    cap = tl.where((c_min == c_max) & (whole <= cap + OVERHEAD), whole, cap)
     start = p * cap
     end = tl.minimum(start + cap, total)
     # this partition's first batch (its cost span holds `start`) and last one (its blocks begin
