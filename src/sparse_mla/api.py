@@ -123,16 +123,19 @@ def flash_mla_with_kvcache(
         check_sched_meta(tile_scheduler_metadata)
         if num_splits is not None:
             raise ValueError("num_splits: must be None (the splits live in tile_scheduler_metadata)")
-        if indices is None:
-            raise NotImplementedError(
-                "dense decode (indices=None) is planned but not implemented yet; pass indices for the sparse path"
-            )
-    except (TypeError, ValueError, NotImplementedError) as e:
+        if indices is None:  # the dense decode takes none of the sparse decode's extras
+            for name, v in (("attn_sink", attn_sink), ("extra_k_cache", extra_k_cache),
+                            ("extra_indices_in_kvcache", extra_indices_in_kvcache), ("topk_length", topk_length),
+                            ("extra_topk_length", extra_topk_length)):  # fmt: skip
+                if v is not None:
+                    raise ValueError(f"{name}: only the sparse decode (indices given) takes it; the dense decode got one")
+    except (TypeError, ValueError) as e:
         if not torch.compiler.is_compiling():
             raise
         return defer_argument_error(e, *decode_output_specs(q, indices, k_cache))  # raised when the graph runs
     return decode(
-        q, k_cache, indices, tile_scheduler_metadata, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
+        q, k_cache, indices, tile_scheduler_metadata, block_table=block_table, cache_seqlens=cache_seqlens,
+        head_dim_v=head_dim_v, softmax_scale=softmax_scale,
         is_fp8_kvcache=is_fp8_kvcache, causal=causal, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
         extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
         extra_topk_length=extra_topk_length, backend=backend, out=out, lse=lse,
