@@ -128,7 +128,9 @@ def flash_mla_with_kvcache(
                             ("extra_indices_in_kvcache", extra_indices_in_kvcache), ("topk_length", topk_length),
                             ("extra_topk_length", extra_topk_length)):  # fmt: skip
                 if v is not None:
-                    raise ValueError(f"{name}: only the sparse decode (indices given) takes it; the dense decode got one")
+                    raise ValueError(
+                        f"{name}: only the sparse decode (indices given) takes it; the dense decode got one"
+                    )
     except (TypeError, ValueError) as e:
         if not torch.compiler.is_compiling():
             raise

@@ -109,9 +109,7 @@ class ReferenceBackend(Anywhere, Backend):
         from .reference import dense_decode_reference, sparse_decode_split_reference
 
         if p.is_dense:  # the direct twin (the schedule does not change the function)
-            out, lse = dense_decode_reference(
-                p.q, p.k_cache, p.block_table, p.topk_length, p.sm_scale, p.d_v, p.causal
-            )
+            out, lse = dense_decode_reference(p.q, p.k_cache, p.block_table, p.topk_length, p.sm_scale, p.d_v, p.causal)
             return finish_outputs(p, out, lse)
 
         out, lse = sparse_decode_split_reference(

@@ -107,16 +107,8 @@ def decode(
     ``through_op``. The op allocates its outputs: a caller's ``out``/``lse`` then get a copy."""
     dense = indices is None
     if dense and torch.compiler.is_compiling():
-        try:  # as below, for the dense decode
-            sm_scale = check_traced_dense_args(q, k_cache, block_table, head_dim_v, softmax_scale, is_fp8_kvcache,
-                                               causal, out, lse)  # fmt: skip
-            check_traced_plan(q, None, tile_scheduler_metadata, cache_seqlens, backend=backend,
-                              dense_topk=block_table.shape[1] * k_cache.shape[1])  # fmt: skip
-        except (TypeError, ValueError) as e:
-            return defer_argument_error(e, *decode_output_specs(q, indices, k_cache))
-        return into_buffers(out, lse, *traced_dense_decode(
-            q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, sm_scale, causal, is_fp8_kvcache, backend,
-        ), q.dtype)  # fmt: skip
+        return _traced_dense(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, head_dim_v,
+                             softmax_scale, is_fp8_kvcache, causal, backend, out, lse)  # fmt: skip
     if torch.compiler.is_compiling():
         try:  # what the graph fixes is checked now; a failed check raises when the graph runs
             sm_scale = check_traced_decode_args(q, indices, head_dim_v, softmax_scale, is_fp8_kvcache, causal, out, lse)
@@ -195,6 +187,22 @@ def decode(
     tile_scheduler_metadata.call_cache = CallCache(fp, scalars, stripped, None, spans, ranges, plan)
     fields.update(topk_length=p.topk_length, attn_sink=p.attn_sink, extra_topk_length=p.extra_topk_length)
     return _launch_planned(p, plan, tile_scheduler_metadata, fields)
+
+
+def _traced_dense(
+    q, k_cache, block_table, cache_seqlens, meta, head_dim_v, softmax_scale, is_fp8_kvcache, causal, backend, out, lse
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense decode under ``torch.compile``: what the graph fixes is checked now (a failed check
+    raises when the graph runs), then straight to ``torch.ops.sparse_mla.dense_decode``."""
+    try:
+        sm_scale = check_traced_dense_args(q, k_cache, block_table, head_dim_v, softmax_scale, is_fp8_kvcache, causal,
+                                           out, lse)  # fmt: skip
+        check_traced_plan(q, None, meta, cache_seqlens, backend=backend,
+                          dense_topk=block_table.shape[1] * k_cache.shape[1])  # fmt: skip
+    except (TypeError, ValueError) as e:
+        return defer_argument_error(e, *decode_output_specs(q, None, k_cache))
+    done = traced_dense_decode(q, k_cache, block_table, cache_seqlens, meta, sm_scale, causal, is_fp8_kvcache, backend)
+    return into_buffers(out, lse, *done, q.dtype)
 
 
 def _launch_planned(

@@ -36,6 +36,7 @@ __all__ = [
     "validate_sparse_decode",
     "validate_dense_decode",
     "check_dense_values",
+    "refuse_sparse_extras",
     "check_tensor",
     "is_empty",
     "empty_outputs",
@@ -430,6 +431,41 @@ def check_dense_values(p: DecodeProblem) -> None:
         )
 
 
+def refuse_sparse_extras(attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length) -> None:
+    """The dense decode takes none of the sparse decode's extras: ``ValueError`` naming the first given."""
+    for name, v in (
+        ("attn_sink", attn_sink),
+        ("extra_k_cache", extra_k_cache),
+        ("extra_indices_in_kvcache", extra_indices_in_kvcache),
+        ("topk_length", topk_length),
+        ("extra_topk_length", extra_topk_length),
+    ):
+        if v is not None:
+            raise ValueError(f"{name}: only the sparse decode (indices given) takes it; the dense decode got one")
+
+
+def _check_out_lse(out: Any, lse: Any, q: torch.Tensor, d_v: int, inputs: tuple) -> None:
+    """The caller's ``out [b, s_q, h_q, d_v]`` (q's dtype, last dim contiguous) and ``lse
+    [b, h_q, s_q]`` fp32 buffers, apart from the eight ``inputs`` and from each other."""
+    b, s_q, h_q, _ = q.shape
+    dev = q.device
+    if out is not None:
+        check_tensor(out, "out", (q.dtype,), 4, dev)
+        if tuple(out.shape) != (b, s_q, h_q, d_v):
+            raise ValueError(f"out: expected shape [b={b}, s_q={s_q}, h_q={h_q}, d_v={d_v}], got {list(out.shape)}")
+        if out.stride(-1) != 1 and out.numel() > 0:
+            raise ValueError("out: the last dimension must be contiguous (stride 1)")
+        check_no_self_overlap(out, "out")
+    if lse is not None:
+        check_tensor(lse, "lse", (torch.float32,), 3, dev)
+        if tuple(lse.shape) != (b, h_q, s_q):
+            raise ValueError(f"lse: expected shape [b={b}, h_q={h_q}, s_q={s_q}], got {list(lse.shape)}")
+        check_no_self_overlap(lse, "lse")
+    if out is not None or lse is not None:
+        call = (*inputs, out, lse)
+        check_outputs_apart(call, relative_byte_ranges(call))
+
+
 def _values_readable(t: torch.Tensor) -> bool:
     """Whether validation may read ``t``'s values on the host: always on the CPU, on CUDA unless
     the stream is being captured into a graph (a read there is impossible)."""
@@ -474,7 +510,7 @@ def validate_dense_decode(
     lay = _check_q_shape(q)
     b, s_q, h_q, d_qk = q.shape
     dev = q.device
-    given = (q, k_cache, block_table, cache_seqlens)
+    given = (q, k_cache, block_table, cache_seqlens)  # (the caller's: what out/lse must not overlap)
     if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral) or head_dim_v != lay.d_v:
         raise ValueError(f"head_dim_v: expected {lay.d_v}, got {shown(head_dim_v)!r}")
     if not isinstance(is_fp8_kvcache, bool):
@@ -482,15 +518,7 @@ def validate_dense_decode(
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     sm_scale = _sm_scale(softmax_scale, d_qk)
-    for name, v in (
-        ("attn_sink", attn_sink),
-        ("extra_k_cache", extra_k_cache),
-        ("extra_indices_in_kvcache", extra_indices_in_kvcache),
-        ("topk_length", topk_length),
-        ("extra_topk_length", extra_topk_length),
-    ):
-        if v is not None:
-            raise ValueError(f"{name}: only the sparse decode (indices given) takes it; the dense decode got one")
+    refuse_sparse_extras(attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length)
     _check_dense_cache(k_cache, q, lay, is_fp8_kvcache)
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
         got = block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table).__name__
@@ -501,22 +529,7 @@ def validate_dense_decode(
     if cache_seqlens is None:
         raise TypeError("cache_seqlens: expected an int32 tensor [b] (the dense decode needs it), got None")
     cache_seqlens = check_vector(cache_seqlens, "cache_seqlens", torch.int32, b, "b", dev)
-    out_dtype = q.dtype
-    if out is not None:
-        check_tensor(out, "out", (out_dtype,), 4, dev)
-        if tuple(out.shape) != (b, s_q, h_q, lay.d_v):
-            raise ValueError(f"out: expected shape [b={b}, s_q={s_q}, h_q={h_q}, d_v={lay.d_v}], got {list(out.shape)}")
-        if out.stride(-1) != 1 and out.numel() > 0:
-            raise ValueError("out: the last dimension must be contiguous (stride 1)")
-        check_no_self_overlap(out, "out")
-    if lse is not None:
-        check_tensor(lse, "lse", (torch.float32,), 3, dev)
-        if tuple(lse.shape) != (b, h_q, s_q):
-            raise ValueError(f"lse: expected shape [b={b}, h_q={h_q}, s_q={s_q}], got {list(lse.shape)}")
-        check_no_self_overlap(lse, "lse")
-    if out is not None or lse is not None:
-        call = (*given, None, None, None, None, out, lse)
-        check_outputs_apart(call, relative_byte_ranges(call))
+    _check_out_lse(out, lse, q, lay.d_v, (*given, None, None, None, None))
     p = DecodeProblem(
         q=q,
         k_cache=k_cache,

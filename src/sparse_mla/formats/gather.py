@@ -144,9 +144,9 @@ def paged_positions(sel, req, sq, pos, n_valid, pbs):
     the block table ``sel = (table_ptr, stride_b, causal_back, stride_col, max_blocks, len_ptr)``:
     ``(slots int64, counted)``, a slot -1 where the position is not attended. ``n_valid`` is the
     request's length; with ``causal_back = s_q - 1`` (0 without causal) query token ``sq`` attends
-    the positions below ``n_valid - causal_back + sq``."""
+    the positions below ``n_valid - (causal_back - sq)``."""
     bt_ptr, stride_bb, back, stride_bc, max_blocks, _len_ptr = sel
-    counted = pos < n_valid - back + sq
+    counted = pos < n_valid - tl.maximum(back - sq, 0)
     slots = table_slots(pos.to(tl.int64), bt_ptr + req.to(tl.int64) * stride_bb, stride_bc, max_blocks, pbs, counted)
     return slots, counted
 
