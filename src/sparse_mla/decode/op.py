@@ -410,6 +410,7 @@ def _dense_decode_op(
         softmax_scale=sm_scale,
         is_fp8_kvcache=is_fp8_kvcache,
         causal=causal,
+        read_values=q.device.type == "cpu",  # (no host synchronisation in a compiled graph on the GPU)
     )
     if is_empty(p):
         resolve_backend(p, backend)  # checked on an empty step too

@@ -489,15 +489,16 @@ def validate_dense_decode(
     extra_topk_length: Any = None,
     out: Any = None,
     lse: Any = None,
+    read_values: bool = True,
 ) -> DecodeProblem:
     """Check every argument of the dense decode (:func:`sparse_mla.flash_mla_with_kvcache` without
     ``indices``); return the :class:`DecodeProblem` (``indices`` None, ``topk_length`` the
     contiguous ``cache_seqlens``).
 
     The values of ``cache_seqlens`` and of the block-table entries they use are checked
-    (:func:`check_dense_values`) except while a CUDA graph is being captured; the kernels stay
-    inside the cache whatever they hold (lengths clamped to the table, entries outside the cache
-    read as no token).
+    (:func:`check_dense_values`; with ``read_values``, except while a CUDA graph is being
+    captured: on a GPU a host synchronisation); the kernels stay inside the cache whatever they
+    hold (lengths clamped to the table, entries outside the cache read as no token).
 
     Raises:
         TypeError / ValueError: naming the first bad argument.
@@ -543,7 +544,7 @@ def validate_dense_decode(
         block_table=block_table,
         causal=causal,
     )
-    if _values_readable(cache_seqlens):
+    if read_values and _values_readable(cache_seqlens):
         check_dense_values(p)
     return p
 
