@@ -219,6 +219,12 @@ def test_torch_op():
         d.q, d.k_cache, d.block_table, d.cache_seqlens, meta.tile_scheduler_metadata, 512**-0.5, causal=True
     )
     check_decode_close(out, lse, *d.twin(), tol=DENSE)
+    # the eager entry through the op (what a caller of the op with a filled scheduler object runs)
+    from sparse_mla.decode.eager import decode
+
+    out2, lse2 = decode(d.q, d.k_cache, None, meta, block_table=d.block_table, cache_seqlens=d.cache_seqlens,
+                        is_fp8_kvcache=False, causal=True, through_op=True)  # fmt: skip
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
     with pytest.raises(ValueError, match="^cache_seqlens: with causal=True"):
         torch.ops.sparse_mla.dense_decode(
             d.q, d.k_cache, d.block_table, d.cache_seqlens.clamp(max=1), meta.tile_scheduler_metadata, 0.1, causal=True
