@@ -1,8 +1,8 @@
 """sparse_mla: DeepSeek Sparse Attention for MLA in Triton with FlashMLA's API: the FP8 sparse decode,
 the sparse prefill and the lightning indexer.
 
-``import sparse_mla as flash_mla`` is a drop-in for FlashMLA 1.0's sparse FP8 decode
-(``get_mla_metadata``, ``flash_mla_with_kvcache``) and sparse prefill (``flash_mla_sparse_fwd``);
+``import sparse_mla as flash_mla`` is a drop-in for FlashMLA 1.0's sparse FP8 decode and dense MLA
+decode (``get_mla_metadata``, ``flash_mla_with_kvcache``) and sparse prefill (``flash_mla_sparse_fwd``);
 the indexer calls (``indexer_k_quant_and_cache``, ``fp8_mqa_logits``, ``fp8_paged_mqa_logits``,
 ``topk_indices``, ``topk_kvcache_indices``) follow DeepGEMM's.
 

@@ -1,11 +1,14 @@
 """FlashMLA-compatible entry points (stage 1 of the decode path; steps 1-2 in docs/design.md).
 
-``import sparse_mla as flash_mla`` works for callers of FlashMLA 1.0's sparse FP8 decode::
+``import sparse_mla as flash_mla`` works for callers of FlashMLA 1.0's sparse FP8 decode and of
+its dense MLA decode (the same call without ``indices``)::
 
     sched_meta, _ = flash_mla.get_mla_metadata()
     out, lse = flash_mla.flash_mla_with_kvcache(
         q, k_cache, None, None, head_dim_v=512, tile_scheduler_metadata=sched_meta,
         is_fp8_kvcache=True, indices=indices)
+    out, lse = flash_mla.flash_mla_with_kvcache(  # dense: every context position
+        q, k_cache, block_table, cache_seqlens, head_dim_v=512, tile_scheduler_metadata=sched_meta2)
 
 The call flows API → :mod:`~sparse_mla.decode.problem` (validated, frozen) → :mod:`~sparse_mla.decode.plan`
 (backend + schedule, kept in ``sched_meta``) → :mod:`~sparse_mla.decode` (kernel launch,
@@ -55,38 +58,51 @@ def flash_mla_with_kvcache(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA decode over an FP8 paged latent KV cache (FlashMLA 1.0's signature and semantics).
-
-    The sparse path (``indices`` given) is implemented; the dense path is planned.
+    """MLA decode over a paged latent KV cache (FlashMLA 1.0's signature and semantics): sparse
+    with ``indices`` (FP8 cache, top-k slots per query token), dense without (every position of
+    each request's context, through ``block_table``).
 
     Args:
-        q: ``[b, s_q, h_q, d_qk]`` bf16 queries; ``d_qk`` 576 (V3.2 layout) or 512 (MODEL1
-            layout); ``h_q <= 128``; last dim contiguous, other strides free.
+        q: ``[b, s_q, h_q, d_qk]`` queries; ``d_qk`` 576 (V3.2 layout) or 512 (MODEL1 layout);
+            ``1 <= h_q <= 128``; last dim contiguous, other strides free. bf16; the dense decode
+            with a bf16/fp16 cache also takes fp16.
         k_cache: ``[num_blocks, page_block_size, 1, bytes_per_token]`` ``float8_e4m3fn`` or
             ``uint8`` bytes; 656 B/token (V32) or 584 (MODEL1; any block stride of at least
             ``page_block_size * 584`` bytes). May be a strided view of a larger pool (its
-            block stride is honoured).
-        block_table: ``[b, max_blocks]`` int32 — dense path only; ignored when ``indices`` is given.
-        cache_seqlens: ``[b]`` int32 — dense path only; ignored when ``indices`` is given.
+            block stride is honoured). Dense with ``is_fp8_kvcache=False``: rows
+            ``[num_blocks, page_block_size, 1, d_qk]`` of q's dtype (last dim contiguous, other
+            strides free); V is their first 512 columns. Any ``page_block_size >= 1``.
+        block_table: ``[b, max_blocks]`` int32 (any strides) — dense only (ignored with
+            ``indices``): position ``t`` of request ``i`` is slot ``block_table[i, t //
+            page_block_size] * page_block_size + t % page_block_size``; entries past a request's
+            length are never read (may hold anything).
+        cache_seqlens: ``[b]`` int32 context lengths, in tokens — dense only (ignored with
+            ``indices``): each in ``[0, max_blocks * page_block_size]``; 0 gives out 0, lse +inf.
         head_dim_v: 512.
         tile_scheduler_metadata: the object from :func:`get_mla_metadata`; filled by the first
             call, reused while the configuration and the ``topk_length`` values stay the same.
         num_splits: must be None (FlashMLA 1.0 keeps it in ``tile_scheduler_metadata``).
         softmax_scale: default ``d_qk ** -0.5``.
-        causal: must be False on the sparse path.
-        is_fp8_kvcache: must be True on the sparse path.
+        causal: must be False on the sparse path. Dense: query token ``j`` (of ``s_q``, e.g.
+            speculative tokens) attends the positions below ``cache_seqlens[i] - s_q + j + 1``;
+            each length must then be 0 or at least ``s_q``.
+        is_fp8_kvcache: must be True on the sparse path. Dense: True reads the FP8 cache (V32 /
+            MODEL1 records, q bf16), False (the default) bf16/fp16 rows.
         indices: ``[b, s_q, topk]`` int32, ``block * page_block_size + offset`` into ``k_cache``;
             ``-1`` or any value outside ``[0, num_blocks * page_block_size)`` is ignored.
-        attn_sink: ``[h_q]`` fp32: out scaled by ``exp(lse) / (exp(lse) + exp(sink))``.
+        attn_sink: ``[h_q]`` fp32: out scaled by ``exp(lse) / (exp(lse) + exp(sink))`` (sparse only,
+            as are the four arguments below).
         extra_k_cache: second cache (same format) attended in the same softmax.
         extra_indices_in_kvcache: ``[b, s_q, extra_topk]`` int32 into ``extra_k_cache``.
         topk_length: ``[b]`` int32: only the first ``topk_length[i]`` indices of batch i count.
         extra_topk_length: ``[b]`` int32, the same for the extra cache.
         backend: ``"auto"`` (the fastest that serves the call), ``"hopper"``, ``"portable"`` or
             ``"reference"`` (keyword only; not in FlashMLA). Fixed by the first call of a
-            scheduler object; ``tile_scheduler_metadata.backend`` tells which one runs.
-        out: optional ``[b, s_q, h_q, 512]`` bf16 buffer (last dim contiguous, other strides
-            free) the result is written into and returned (keyword only; not in FlashMLA).
+            scheduler object; ``tile_scheduler_metadata.backend`` tells which one runs. The
+            dense decode runs on ``"portable"`` (any GPU, or the CPU under ``TRITON_INTERPRET=1``)
+            or ``"reference"``; ``"hopper"`` serves the sparse decode only.
+        out: optional ``[b, s_q, h_q, 512]`` buffer of q's dtype (last dim contiguous, other
+            strides free) the result is written into and returned (keyword only; not in FlashMLA).
         lse: optional ``[b, h_q, s_q]`` fp32 buffer (any strides), likewise.
 
     Workspace: the split-KV partial results live in a buffer held by ``tile_scheduler_metadata``
@@ -95,8 +111,8 @@ def flash_mla_with_kvcache(
     must run in order on one stream (as the layers of one decode step do).
 
     Returns:
-        ``out [b, s_q, h_q, 512]`` bf16 and ``lse [b, h_q, s_q]`` fp32 (natural log; +inf and
-        out = 0 for a query with no valid key). ``b = 0`` or ``s_q = 0`` gives empty tensors of
+        ``out [b, s_q, h_q, 512]`` in q's dtype and ``lse [b, h_q, s_q]`` fp32 (natural log; +inf
+        and out = 0 for a query with no valid key). ``b = 0`` or ``s_q = 0`` gives empty tensors of
         these shapes and launches nothing (the scheduler object stays as it was).
 
     Non-finite inputs: a valid key whose score ``q·k`` is NaN or ``+inf`` (inf/NaN in ``q``)
@@ -107,32 +123,46 @@ def flash_mla_with_kvcache(
     from ``inf - inf`` in the sum), and such a score follows the rules above.
 
     Under ``torch.compile`` the call goes straight to the custom op ``torch.ops.sparse_mla.sparse_decode``
-    (no graph break), which validates the arguments when it runs; fill the scheduler object with
+    (dense: ``torch.ops.sparse_mla.dense_decode``; no graph break), which validates the arguments when it runs; fill the scheduler object with
     one eager call first, and the compiled calls use the backend and partitioning of that fill (with
     ``topk_length`` the schedule of each call's own lengths, made on the device). What the graph
     fixes (``q``'s dtype and shape, the Python scalars, the scheduler object) is checked while
     tracing, and a failed check raises the same exception as an eager call when the compiled
     function runs (``fullgraph=True`` included; :mod:`sparse_mla.core.traced`).
 
+    The dense decode reads the values of ``cache_seqlens`` and of the block-table entries they
+    use to check them (on a GPU one host synchronisation by a scheduler object's first call;
+    none while a CUDA graph is being captured or in the custom op on a GPU, where the kernel still
+    stays inside the cache: lengths clamped to the table, entries outside the cache read as no
+    token). Its schedule is made on the device from ``cache_seqlens`` by every call, so one
+    scheduler object serves a step whatever the lengths.
+
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape or device, or a
-            ``backend`` that cannot serve the call (the message says why).
-        NotImplementedError: the dense path (``indices`` is None).
+            ``backend`` that cannot serve the call (the message names the argument and says why);
+            dense: ``cache_seqlens`` negative or longer than the block table holds, or (causal)
+            between 1 and ``s_q - 1``; a block-table entry a request uses outside
+            ``[0, num_blocks)``; ``k_cache`` of another dtype than q; a sparse-only argument.
     """
     try:
         check_sched_meta(tile_scheduler_metadata)
         if num_splits is not None:
             raise ValueError("num_splits: must be None (the splits live in tile_scheduler_metadata)")
-        if indices is None:
-            raise NotImplementedError(
-                "dense decode (indices=None) is planned but not implemented yet; pass indices for the sparse path"
-            )
-    except (TypeError, ValueError, NotImplementedError) as e:
+        if indices is None:  # the dense decode takes none of the sparse decode's extras
+            for name, v in (("attn_sink", attn_sink), ("extra_k_cache", extra_k_cache),
+                            ("extra_indices_in_kvcache", extra_indices_in_kvcache), ("topk_length", topk_length),
+                            ("extra_topk_length", extra_topk_length)):  # fmt: skip
+                if v is not None:
+                    raise ValueError(
+                        f"{name}: only the sparse decode (indices given) takes it; the dense decode got one"
+                    )
+    except (TypeError, ValueError) as e:
         if not torch.compiler.is_compiling():
             raise
         return defer_argument_error(e, *decode_output_specs(q, indices, k_cache))  # raised when the graph runs
     return decode(
-        q, k_cache, indices, tile_scheduler_metadata, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
+        q, k_cache, indices, tile_scheduler_metadata, block_table=block_table, cache_seqlens=cache_seqlens,
+        head_dim_v=head_dim_v, softmax_scale=softmax_scale,
         is_fp8_kvcache=is_fp8_kvcache, causal=causal, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
         extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
         extra_topk_length=extra_topk_length, backend=backend, out=out, lse=lse,

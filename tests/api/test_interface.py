@@ -360,9 +360,11 @@ def test_validation_tile_scheduler_metadata(good):
         )
 
 
-def test_dense_path_not_implemented(good):
+def test_dense_path_refuses_the_sparse_extras(good):
+    """Without indices the call is the dense decode (tests/decode/test_dense_decode.py), which
+    takes none of the sparse decode's extras."""
     meta, _ = flash_mla.get_mla_metadata()
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="^topk_length: only the sparse decode"):
         flash_mla.flash_mla_with_kvcache(
             good.q,
             good.k_cache,
@@ -371,6 +373,7 @@ def test_dense_path_not_implemented(good):
             512,
             meta,
             is_fp8_kvcache=True,
+            topk_length=torch.tensor([64, 64], dtype=torch.int32),
         )
     assert not meta.have_initialized
 

@@ -6,10 +6,12 @@ how many query heads one of its programs serves (the scheduler sizes the partiti
 
 =============  ==========================================================================
 ``hopper``     warp-specialised Gluon kernel (:mod:`.hopper`): sm_90 GPUs, both caches
-               (V32, MODEL1) and every feature, compiled (not interpreted)
-``portable``   Triton ``tl`` kernel (:mod:`.portable`): any GPU Triton supports, and the CPU
-               under Triton's interpreter (``TRITON_INTERPRET=1``); every feature
-``reference``  fp32 PyTorch twin replaying the schedule (:mod:`.reference`): anywhere
+               (V32, MODEL1) and every feature of the sparse decode, compiled (not
+               interpreted); not the dense decode
+``portable``   Triton ``tl`` kernels (:mod:`.portable`, dense: :mod:`.dense`): any GPU Triton
+               supports, and the CPU under Triton's interpreter (``TRITON_INTERPRET=1``);
+               every feature, sparse and dense
+``reference``  fp32 PyTorch twin (:mod:`.reference`; sparse: replaying the schedule): anywhere
 =============  ==========================================================================
 
 ``backend="auto"`` takes the first of those that serves the problem. The environment variable
@@ -104,7 +106,11 @@ class ReferenceBackend(Anywhere, Backend):
     def launch(
         self, p: DecodeProblem, table: ScheduleTable, config: Any = None, workspace: Workspace | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from .reference import sparse_decode_split_reference
+        from .reference import dense_decode_reference, sparse_decode_split_reference
+
+        if p.is_dense:  # the direct twin (the schedule does not change the function)
+            out, lse = dense_decode_reference(p.q, p.k_cache, p.block_table, p.topk_length, p.sm_scale, p.d_v, p.causal)
+            return finish_outputs(p, out, lse)
 
         out, lse = sparse_decode_split_reference(
             p.q,
@@ -129,12 +135,21 @@ class PortableBackend(TritonOnly, Backend):
     def launch(
         self, p: DecodeProblem, table: ScheduleTable, config: Any = None, workspace: Workspace | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if p.is_dense:
+            from .kernels.dense import launch as launch_dense
+
+            return launch_dense(p, table, config, workspace)
         from .kernels.portable import launch
 
         return launch(p, table, config, workspace)
 
 
 class HopperBackend(HopperOnly, Backend):
+    def unsupported(self, problem: Any) -> str | None:
+        if getattr(problem, "is_dense", False):
+            return "serves the sparse decode only (indices given); the dense decode runs on the 'portable' backend"
+        return super().unsupported(problem)
+
     def heads_per_cta(self, h_q: int) -> int:
         # h_q <= 32: the heads are the wgmma's N (16 or 32); else 64-head tiles (one wgmma M), whose
         # rows past h_q are zero queries, never stored

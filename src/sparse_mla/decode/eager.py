@@ -19,17 +19,27 @@ import torch
 from ..core.env import on_tensor_device, use_triton
 from ..core.traced import defer_argument_error
 from .backends import resolve_backend, run_decode
-from .op import D_V, call_sparse_decode_op, check_traced_plan, traced_sparse_decode
+from .op import (
+    D_V,
+    call_dense_decode_op,
+    call_sparse_decode_op,
+    check_traced_plan,
+    traced_dense_decode,
+    traced_sparse_decode,
+)
 from .plan import DecodePlan, FlashMLASchedMeta, check_sched_meta, ensure_plan
 from .problem import (
     DecodeProblem,
+    check_dense_values,
     check_outputs_apart,
     check_traced_decode_args,
+    check_traced_dense_args,
     decode_output_specs,
     empty_outputs,
     into_buffers,
     is_empty,
     relative_byte_ranges,
+    validate_dense_decode,
     validate_sparse_decode,
 )
 
@@ -71,9 +81,11 @@ class CallCache:
 def decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    indices: torch.Tensor,
+    indices: torch.Tensor | None,
     tile_scheduler_metadata: FlashMLASchedMeta,
     *,
+    block_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
     head_dim_v: int = D_V,
     softmax_scale: float | None = None,
     is_fp8_kvcache: bool = True,
@@ -88,10 +100,15 @@ def decode(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sparse decode behind :func:`sparse_mla.flash_mla_with_kvcache` and :func:`sparse_decode`:
-    validate, plan (first call), launch with the plan's workspace. Compiled, it goes straight to
-    the op (:func:`traced_sparse_decode`); eager, through the op only when ``through_op``. The op
-    allocates its outputs: a caller's ``out``/``lse`` then get a copy."""
+    """The decode behind :func:`sparse_mla.flash_mla_with_kvcache` and :func:`sparse_decode`:
+    validate, plan (first call), launch with the plan's workspace. Sparse with ``indices``; dense
+    (``block_table``, ``cache_seqlens``) without. Compiled, it goes straight to the op
+    (:func:`traced_sparse_decode`, :func:`traced_dense_decode`); eager, through the op only when
+    ``through_op``. The op allocates its outputs: a caller's ``out``/``lse`` then get a copy."""
+    dense = indices is None
+    if dense and torch.compiler.is_compiling():
+        return _traced_dense(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, head_dim_v,
+                             softmax_scale, is_fp8_kvcache, causal, backend, out, lse)  # fmt: skip
     if torch.compiler.is_compiling():
         try:  # what the graph fixes is checked now; a failed check raises when the graph runs
             sm_scale = check_traced_decode_args(q, indices, head_dim_v, softmax_scale, is_fp8_kvcache, causal, out, lse)
@@ -105,9 +122,14 @@ def decode(
         ))  # fmt: skip
     check_sched_meta(tile_scheduler_metadata)
     # the call's tensors by DecodeProblem field: what the fingerprint covers and a repeated call replaces
+    # (dense: the block table in the place of the indices, cache_seqlens in that of topk_length)
     fields = dict(q=q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
                   extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,
                   extra_topk_length=extra_topk_length, out=out, lse=lse)  # fmt: skip
+    if dense:
+        fields = dict(q=q, k_cache=k_cache, block_table=block_table, topk_length=cache_seqlens, attn_sink=attn_sink,
+                      extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,
+                      extra_topk_length=extra_topk_length, out=out, lse=lse)  # fmt: skip
     # with their types: 512.0 == 512 and True == 1, but validation refuses a float head_dim_v / bool scale
     scalars = (head_dim_v, type(head_dim_v), softmax_scale, type(softmax_scale), is_fp8_kvcache,
                type(is_fp8_kvcache), causal, type(causal), backend)  # fmt: skip
@@ -128,14 +150,18 @@ def decode(
             check_outputs_apart(tuple(fields.values()), cached.out_spans)
         for name in _VECTOR_FIELDS:
             fields[name] = dense_or_none(fields[name])
+        if dense and q.device.type == "cpu":  # the lengths' values, where reading them costs no sync
+            check_dense_values(dataclasses.replace(cached.problem, **fields))
         if cached.replay:
             done = _replay(cached.replay, q, fields)
             if done is not None:
                 return done
         p = dataclasses.replace(cached.problem, **fields)
         return _launch_planned(p, tile_scheduler_metadata.plan, tile_scheduler_metadata, fields)
-    p = validate_sparse_decode(
-        q=q, k_cache=k_cache, indices=indices, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
+    validate = validate_dense_decode if dense else validate_sparse_decode
+    where = dict(block_table=block_table, cache_seqlens=cache_seqlens) if dense else dict(indices=indices)
+    p = validate(
+        q=q, k_cache=k_cache, **where, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
         is_fp8_kvcache=is_fp8_kvcache, causal=causal, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
         extra_indices_in_kvcache=extra_indices_in_kvcache, topk_length=topk_length,
         extra_topk_length=extra_topk_length, out=out, lse=lse,
@@ -145,6 +171,8 @@ def decode(
         return empty_outputs(p)
     plan = ensure_plan(tile_scheduler_metadata, p, backend)
     if through_op:
+        if dense:
+            return into_buffers(out, lse, *call_dense_decode_op(p, plan), q.dtype)
         return into_buffers(out, lse, *call_sparse_decode_op(p, plan))
     # the shortcut compares the scalars with ==: kept only for the built-in types, whose == cannot
     # lie (the types are compared too, so a later call with another type is validated)
@@ -159,6 +187,22 @@ def decode(
     tile_scheduler_metadata.call_cache = CallCache(fp, scalars, stripped, None, spans, ranges, plan)
     fields.update(topk_length=p.topk_length, attn_sink=p.attn_sink, extra_topk_length=p.extra_topk_length)
     return _launch_planned(p, plan, tile_scheduler_metadata, fields)
+
+
+def _traced_dense(
+    q, k_cache, block_table, cache_seqlens, meta, head_dim_v, softmax_scale, is_fp8_kvcache, causal, backend, out, lse
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense decode under ``torch.compile``: what the graph fixes is checked now (a failed check
+    raises when the graph runs), then straight to ``torch.ops.sparse_mla.dense_decode``."""
+    try:
+        sm_scale = check_traced_dense_args(q, k_cache, block_table, head_dim_v, softmax_scale, is_fp8_kvcache, causal,
+                                           out, lse)  # fmt: skip
+        check_traced_plan(q, None, meta, cache_seqlens, backend=backend,
+                          dense_topk=block_table.shape[1] * k_cache.shape[1])  # fmt: skip
+    except (TypeError, ValueError) as e:
+        return defer_argument_error(e, *decode_output_specs(q, None, k_cache))
+    done = traced_dense_decode(q, k_cache, block_table, cache_seqlens, meta, sm_scale, causal, is_fp8_kvcache, backend)
+    return into_buffers(out, lse, *done, q.dtype)
 
 
 def _launch_planned(
@@ -196,7 +240,7 @@ def _make_replay(launches: list, plan: DecodePlan, fields: dict, out: torch.Tens
 
     b, s_q, h_q, _ = fields["q"].shape
     for given, buf, dtype, shape in (
-        (fields["out"], out, torch.bfloat16, (b, s_q, h_q, D_V)),
+        (fields["out"], out, fields["q"].dtype, (b, s_q, h_q, D_V)),
         (fields["lse"], lse, torch.float32, (b, h_q, s_q)),
     ):
         if given is not None and buf is not given:
@@ -209,8 +253,9 @@ def _make_replay(launches: list, plan: DecodePlan, fields: dict, out: torch.Tens
 
 
 def _call_tensors(fields: dict, out: torch.Tensor, lse: torch.Tensor) -> tuple:
-    """The per-call tensors of a replay, in its order."""
-    return (fields["q"], fields["k_cache"], fields["indices"], fields["topk_length"], fields["attn_sink"],
+    """The per-call tensors of a replay, in its order (dense: the block table in the place of the indices)."""
+    rows = fields["indices"] if "indices" in fields else fields["block_table"]
+    return (fields["q"], fields["k_cache"], rows, fields["topk_length"], fields["attn_sink"],
             fields["extra_k_cache"], fields["extra_indices"], fields["extra_topk_length"], out, lse)  # fmt: skip
 
 
@@ -224,7 +269,7 @@ def _replay(replay: Replay, q: torch.Tensor, fields: dict) -> tuple[torch.Tensor
     b, s_q, h_q, _ = q.shape
     # (the sizes one by one: torch.empty parses them faster than a shape tuple)
     if out is None:
-        out = torch.empty(b, s_q, h_q, D_V, dtype=torch.bfloat16, device=q.device)
+        out = torch.empty(b, s_q, h_q, D_V, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
     return (out, lse) if replay.run(_call_tensors(fields, out, lse)) else None

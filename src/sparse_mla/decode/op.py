@@ -4,6 +4,8 @@ in CUDA graphs:
 
 =======================================================  =========================================
 ``sparse_mla::sparse_decode``                            FP8 sparse decode (split-KV + combine)
+``sparse_mla::dense_decode``                             dense decode over a block table (the
+                                                         same split-KV + combine)
 ``sparse_mla::combine``                                  LSE-weighted merge of split results
                                                          (mutates ``out``, ``lse``)
 =======================================================  =========================================
@@ -17,7 +19,8 @@ only give its partition count (``tile_scheduler_metadata.shape[0]``);
 :func:`sparse_mla.decode.eager.sparse_decode` is the convenient entry point.
 :func:`sparse_mla.flash_mla_with_kvcache` calls the op when it is being compiled
 (:func:`traced_sparse_decode`); eager calls skip the dispatcher's overhead and run the same code
-(:mod:`.eager`).
+(:mod:`.eager`). ``sparse_mla::dense_decode`` always schedules on the device from ``cache_seqlens``:
+it takes ``tile_scheduler_metadata`` for its partition count only.
 
 Each op runs the Triton kernels on CUDA and under ``TRITON_INTERPRET=1``, and the PyTorch
 reference otherwise (CPU without the interpreter). Importing this module imports neither Triton nor
@@ -40,6 +43,7 @@ from .problem import (
     empty_outputs,
     is_empty,
     relative_byte_ranges,
+    validate_dense_decode,
     validate_sparse_decode,
 )
 from .scheduler import MAX_ACC_ROWS_PER_PART, META_FIELDS, TOPK_BLOCK_SIZE, ScheduleTable
@@ -50,12 +54,14 @@ __all__ = [
     "traced_sparse_decode",
     "check_traced_plan",
     "call_sparse_decode_op",
+    "call_dense_decode_op",
+    "traced_dense_decode",
     "bound_schedule_tensors",
     "OPS",
 ]
 
 #: the registered operator names
-OPS = ("sparse_mla::sparse_decode", "sparse_mla::combine")
+OPS = ("sparse_mla::sparse_decode", "sparse_mla::dense_decode", "sparse_mla::combine")
 
 D_V = 512
 
@@ -305,10 +311,12 @@ def check_traced_plan(
     extra_indices_in_kvcache: Optional[torch.Tensor] = None,
     extra_topk_length: Optional[torch.Tensor] = None,
     backend: str = "auto",
+    dense_topk: Optional[int] = None,
 ) -> DecodePlan:
     """The plan a traced decode runs: that of an already filled scheduler object, which must have
     been filled for this call's configuration (shapes, optional arguments, device, backend:
-    compared while tracing, as an eager call does).
+    compared while tracing, as an eager call does). The dense decode passes ``indices`` None,
+    ``cache_seqlens`` as ``topk_length`` and its block table's capacity as ``dense_topk``.
 
     Raises:
         TypeError: ``tile_scheduler_metadata`` is not a ``FlashMLASchedMeta``.
@@ -326,9 +334,11 @@ def check_traced_plan(
     check_plan_belongs(meta)
     b, s_q, h_q, d_qk = q.shape
     now = dict(
-        b=b, s_q=s_q, h_q=h_q, d_qk=d_qk, topk=indices.shape[-1], has_topk_length=topk_length is not None,
+        b=b, s_q=s_q, h_q=h_q, d_qk=d_qk, topk=indices.shape[-1] if indices is not None else dense_topk,
+        has_topk_length=topk_length is not None,
         extra_topk=0 if extra_indices_in_kvcache is None else extra_indices_in_kvcache.shape[-1],
         has_extra_topk_length=extra_topk_length is not None, device=str(q.device), backend=backend,
+        dense=indices is None,
     )  # fmt: skip
     changed = ", ".join(
         f"{k} {getattr(meta.config, k)!r} -> {shown(v)!r}" for k, v in now.items() if getattr(meta.config, k) != v
@@ -373,6 +383,93 @@ def traced_sparse_decode(
         extra_indices=extra_indices_in_kvcache,
         extra_topk_length=extra_topk_length,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# sparse_mla::dense_decode
+
+
+@torch.library.custom_op("sparse_mla::dense_decode", mutates_args=())
+def _dense_decode_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tile_scheduler_metadata: torch.Tensor,
+    sm_scale: float,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    p = validate_dense_decode(
+        q=q,
+        k_cache=k_cache,
+        block_table=block_table,
+        cache_seqlens=cache_seqlens,
+        head_dim_v=D_V,
+        softmax_scale=sm_scale,
+        is_fp8_kvcache=is_fp8_kvcache,
+        causal=causal,
+        read_values=q.device.type == "cpu",  # (no host synchronisation in a compiled graph on the GPU)
+    )
+    if is_empty(p):
+        resolve_backend(p, backend)  # checked on an empty step too
+        return empty_outputs(p)
+    if not isinstance(tile_scheduler_metadata, torch.Tensor) or tile_scheduler_metadata.dtype != torch.int32:
+        raise TypeError("tile_scheduler_metadata: expected an int32 tensor")
+    if tile_scheduler_metadata.dim() != 2 or tile_scheduler_metadata.shape[0] < 1:
+        raise ValueError(
+            f"tile_scheduler_metadata: expected shape [num_sm_parts >= 1, {len(META_FIELDS)}], "
+            f"got {list(tile_scheduler_metadata.shape)}"
+        )
+    # the schedule of these lengths is made on the device (the tensor gives its partition count)
+    table = dynamic_table(q.shape[0], int(tile_scheduler_metadata.shape[0]), q.device)
+    return run_decode(p, resolve_backend(p, backend), table, own_table=True)
+
+
+@_dense_decode_op.register_fake
+def _(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, sm_scale, causal=False,
+      is_fp8_kvcache=False, backend="auto"):  # fmt: skip
+    b, s_q, h_q, _ = q.shape
+    return q.new_empty((b, s_q, h_q, D_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+
+
+def call_dense_decode_op(p: DecodeProblem, plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.sparse_mla.dense_decode`` on a validated dense problem and its plan."""
+    return torch.ops.sparse_mla.dense_decode(
+        p.q,
+        p.k_cache,
+        p.block_table,
+        p.topk_length,
+        plan.table.metadata,
+        p.sm_scale,
+        causal=p.causal,
+        is_fp8_kvcache=p.fp8_cache,
+        backend=plan.backend.name,
+    )
+
+
+def traced_dense_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    sm_scale: float,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense decode as ``torch.compile`` traces it: straight to the custom op, with the plan of
+    :func:`check_traced_plan` (its partition count and backend)."""
+    plan = check_traced_plan(
+        q, None, tile_scheduler_metadata, cache_seqlens, backend=backend,
+        dense_topk=block_table.shape[1] * k_cache.shape[1],
+    )  # fmt: skip
+    return torch.ops.sparse_mla.dense_decode(
+        q, k_cache, block_table, cache_seqlens, plan.table.metadata, sm_scale, causal=causal,
+        is_fp8_kvcache=is_fp8_kvcache, backend=plan.backend.name,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ class ScheduleConfig:
     num_sms: int
     device: str
     backend: str  # as requested ("auto" or a name)
+    dense: bool = False  # the dense decode (topk: the block table's capacity; lengths: cache_seqlens)
 
     def differences(self, other: ScheduleConfig) -> str:
         return ", ".join(
@@ -190,6 +191,7 @@ def _config_of(p: DecodeProblem, num_sms: int, backend: str) -> ScheduleConfig:
         num_sms=num_sms,
         device=str(p.q.device),
         backend=backend,
+        dense=p.is_dense,
     )
 
 

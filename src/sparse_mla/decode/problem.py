@@ -1,8 +1,14 @@
-"""The validated description of a sparse decode call (stage 2 of the decode path; docs/design.md).
+"""The validated description of a decode call (stage 2 of the decode path; docs/design.md).
 
-:func:`validate_sparse_decode` checks every argument before anything runs and returns a frozen
-:class:`DecodeProblem`; a bad argument raises ``TypeError``/``ValueError`` naming it. Nothing
-here knows about schedules, backends or kernels.
+:func:`validate_sparse_decode` (``indices`` given) and :func:`validate_dense_decode` (``indices``
+None: every position of each request's context, through its block table) check every argument
+before anything runs and return a frozen :class:`DecodeProblem`; a bad argument raises
+``TypeError``/``ValueError`` naming it. Nothing here knows about schedules, backends or kernels.
+
+The dense decode is the sparse one whose list of request ``i`` is its positions
+``0 .. cache_seqlens[i] - 1``: the problem keeps ``cache_seqlens`` as ``topk_length`` and the
+block table's capacity ``max_blocks * page_block_size`` as ``topk``, so the schedule made from
+lengths balances the partitions by context length.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from ..formats import KVCacheLayout, check_cache, get_layout
 __all__ = [
     "DecodeProblem",
     "validate_sparse_decode",
+    "validate_dense_decode",
+    "check_dense_values",
+    "refuse_sparse_extras",
     "check_tensor",
     "is_empty",
     "empty_outputs",
@@ -35,6 +44,7 @@ __all__ = [
     "finish_outputs",
     "into_buffers",
     "check_traced_decode_args",
+    "check_traced_dense_args",
     "decode_output_specs",
     "MAX_H_Q",
 ]
@@ -45,12 +55,14 @@ MAX_H_Q = 128
 
 @dataclass(frozen=True)
 class DecodeProblem:
-    """A validated sparse decode call: what the backends and the reference need.
+    """A validated decode call, sparse or dense: what the backends and the reference need.
 
     Attributes:
-        q: ``[b, s_q, h_q, d_qk]`` bf16 (last dim contiguous).
-        k_cache: ``[num_blocks, page_block_size, 1, bytes_per_token]`` fp8/uint8 cache.
-        indices: ``[b, s_q, topk]`` int32 cache slots.
+        q: ``[b, s_q, h_q, d_qk]`` bf16 (dense with a bf16/fp16 cache: bf16 or fp16; last dim
+            contiguous).
+        k_cache: ``[num_blocks, page_block_size, 1, bytes_per_token]`` fp8/uint8 cache, or (dense
+            only) ``[num_blocks, page_block_size, 1, d_qk]`` rows of q's dtype.
+        indices: ``[b, s_q, topk]`` int32 cache slots; None for the dense decode.
         layout: the cache layout (V32 for d_qk 576, MODEL1 for 512).
         sm_scale: softmax scale (natural units).
         d_v: value head dim (512).
@@ -76,6 +88,24 @@ class DecodeProblem:
     extra_topk_length: torch.Tensor | None = None
     out: torch.Tensor | None = None
     lse: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    causal: bool = False
+
+    @property
+    def is_dense(self) -> bool:
+        """The dense decode: every context position through ``block_table`` (no ``indices``);
+        ``topk_length`` holds ``cache_seqlens``."""
+        return self.indices is None
+
+    @property
+    def fp8_cache(self) -> bool:
+        """The cache holds FP8 records (V32 / MODEL1 bytes), not rows of q's dtype."""
+        return self.k_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
+
+    @property
+    def cache_seqlens(self) -> torch.Tensor | None:
+        """``[b]`` int32 context lengths of the dense decode (None for the sparse one)."""
+        return self.topk_length if self.is_dense else None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -85,6 +115,10 @@ class DecodeProblem:
 
     @property
     def topk(self) -> int:
+        """Slots of a request's list: ``indices``'s last dim, or for the dense decode the block
+        table's capacity ``max_blocks * page_block_size``."""
+        if self.indices is None:
+            return self.block_table.shape[1] * self.k_cache.shape[1]
         return self.indices.shape[2]
 
     @property
@@ -100,6 +134,10 @@ class DecodeProblem:
 
 def _check_q(q: Any) -> KVCacheLayout:
     check_tensor(q, "q", (torch.bfloat16,), 4)
+    return _check_q_shape(q)
+
+
+def _check_q_shape(q: torch.Tensor) -> KVCacheLayout:
     _, _, h_q, d_qk = q.shape
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"q: expected a CPU or CUDA tensor (others follow q's device), got one on {q.device}")
@@ -161,6 +199,55 @@ def check_traced_decode_args(
     return sm_scale
 
 
+def check_traced_dense_args(
+    q: Any,
+    k_cache: Any,
+    block_table: Any,
+    head_dim_v: Any,
+    softmax_scale: Any,
+    is_fp8_kvcache: Any,
+    causal: Any,
+    out: Any,
+    lse: Any,
+) -> float:
+    """The dense decode's checks that ``torch.compile`` can trace (the operator checks the rest,
+    values included, when it runs): ``q``'s dtype and shape, ``block_table``'s dtype and rank, the
+    Python scalars, the caller's ``out``/``lse`` shapes and dtypes; returns ``sm_scale``."""
+    if not isinstance(q, torch.Tensor) or q.dtype not in DENSE_DTYPES:
+        raise TypeError("q: expected a bf16 or fp16 tensor [b, s_q, h_q, d_qk]")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected 4 dims [b, s_q, h_q, d_qk], got shape {shape_of(q)}")
+    b, s_q, h_q, d_qk = q.shape
+    if d_qk not in (576, 512):
+        raise ValueError(f"q: head dim d_qk must be 576 (V3.2 layout) or 512 (MODEL1 layout), got {shown(d_qk)}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+        raise TypeError("block_table: expected an int32 tensor [b, max_blocks]")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table: expected a 2-D tensor, got shape {shape_of(block_table)}")
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        raise TypeError("k_cache: expected a 4-D tensor [num_blocks, page_block_size, 1, bytes or d_qk]")
+    lay = get_layout(d_qk)
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral) or head_dim_v != lay.d_v:
+        raise ValueError(f"head_dim_v: expected {lay.d_v}, got {shown(head_dim_v)!r}")
+    for name, v in (("is_fp8_kvcache", is_fp8_kvcache), ("causal", causal)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+    sm_scale = _sm_scale(softmax_scale, d_qk)
+    for buf, name, dtype, shape in (
+        (out, "out", q.dtype, (b, s_q, h_q, lay.d_v)),
+        (lse, "lse", torch.float32, (b, h_q, s_q)),
+    ):
+        if buf is None:
+            continue
+        if not isinstance(buf, torch.Tensor) or buf.dtype != dtype:
+            raise TypeError(f"{name}: expected a {dtype} tensor")
+        if tuple(buf.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape_text(shape)}, got {shape_of(buf)}")
+        if buf.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on {q.device} (where q is), got {buf.device}")
+    return sm_scale
+
+
 def decode_output_specs(q: Any, indices: Any, k_cache: Any) -> tuple[list, torch.device]:
     """``([(out's shape, bf16), (lse's shape, fp32)], device)`` of a decode call, for the outputs
     that stand in for a traced call's whose checks failed: the shapes from ``q`` where it is a 4-D
@@ -173,7 +260,8 @@ def decode_output_specs(q: Any, indices: Any, k_cache: Any) -> tuple[list, torch
     b = s_q = h_q = 0
     if isinstance(q, torch.Tensor) and q.dim() == 4:
         b, s_q, h_q, _ = q.shape
-    return [((b, s_q, h_q, 512), torch.bfloat16), ((b, h_q, s_q), torch.float32)], dev
+    out_dtype = q.dtype if isinstance(q, torch.Tensor) and q.dtype in DENSE_DTYPES else torch.bfloat16
+    return [((b, s_q, h_q, 512), out_dtype), ((b, h_q, s_q), torch.float32)], dev
 
 
 def _sm_scale(softmax_scale: Any, d_qk: int) -> float:
@@ -271,17 +359,208 @@ def validate_sparse_decode(
     )
 
 
+#: the dtypes of q (and of a bf16/fp16 cache) the dense decode takes
+DENSE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_dense_cache(k_cache: Any, q: torch.Tensor, lay: KVCacheLayout, is_fp8_kvcache: Any) -> None:
+    """The dense decode's cache: the FP8 records of ``lay`` (``is_fp8_kvcache``; q bf16), else rows
+    ``[num_blocks, page_block_size, 1, d_qk]`` of q's dtype whose last dim is contiguous."""
+    dev = q.device
+    if is_fp8_kvcache:
+        if q.dtype != torch.bfloat16:
+            raise TypeError(f"q: the FP8 cache (is_fp8_kvcache=True) needs bf16 queries, got {q.dtype}")
+        check_cache(k_cache, "k_cache", lay, dev)
+        return
+    d_qk = q.shape[-1]
+    if not isinstance(k_cache, torch.Tensor):
+        raise TypeError(f"k_cache: expected a torch.Tensor, got {type(k_cache).__name__}")
+    if k_cache.dtype in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"k_cache: an FP8 cache ({k_cache.dtype}) needs is_fp8_kvcache=True")
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache: expected dtype {q.dtype} (q's dtype; is_fp8_kvcache=False), got {k_cache.dtype}")
+    check_tensor(k_cache, "k_cache", (q.dtype,), 4, dev)
+    nb, pbs, h_kv, d = k_cache.shape
+    if h_kv != 1:
+        raise ValueError(f"k_cache: h_kv (dim 2) must be 1 for MLA, got {h_kv}")
+    if d != d_qk:
+        raise ValueError(f"k_cache: expected head dim {d_qk} (q's d_qk) in dim 3, got shape {shape_of(k_cache)}")
+    if nb < 1 or pbs < 1:
+        raise ValueError(f"k_cache: needs at least one block of at least one token, got {shape_of(k_cache)}")
+    if k_cache.stride(-1) != 1:
+        raise ValueError("k_cache: the last dimension must be contiguous (stride 1)")
+
+
+def check_dense_values(p: DecodeProblem) -> None:
+    """The values of a dense problem's ``cache_seqlens`` and ``block_table`` (read on the host):
+    every length in ``[0, max_blocks * page_block_size]``, with ``causal`` and ``s_q > 1`` either 0
+    or at least ``s_q``, and the block-table entries a request uses (``j < ceil(len / page_block_size)``)
+    in ``[0, num_blocks)``. Entries past a request's length are never read and may hold anything.
+
+    Raises:
+        ValueError: naming ``cache_seqlens`` or ``block_table``.
+    """
+    lens, bt = p.topk_length, p.block_table
+    if lens.numel() == 0:
+        return
+    num_blocks, pbs = p.k_cache.shape[0], p.k_cache.shape[1]
+    cap = bt.shape[1] * pbs
+    s_q = p.q.shape[1]
+    lo, hi = lens.min().item(), lens.max().item()
+    if lo < 0:
+        raise ValueError(f"cache_seqlens: expected lengths >= 0, got {lo}")
+    if hi > cap:
+        raise ValueError(
+            f"cache_seqlens: a length of {hi} is more than block_table holds "
+            f"(max_blocks {bt.shape[1]} * page_block_size {pbs} = {cap})"
+        )
+    if p.causal and s_q > 1:
+        short = (lens > 0) & (lens < s_q)
+        if bool(short.any()):
+            raise ValueError(
+                f"cache_seqlens: with causal=True each length must be 0 or at least s_q={s_q} (a query token "
+                f"attends the positions up to its own), got {int(lens[short][0])}"
+            )
+    used = torch.arange(bt.shape[1], device=bt.device)[None, :] < ((lens.long() + pbs - 1) // pbs)[:, None]
+    bad = used & ((bt < 0) | (bt >= num_blocks))
+    if bool(bad.any()):
+        i, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table: entry [{i}, {j}] = {int(bt[i, j])} is used by cache_seqlens[{i}] = {int(lens[i])} "
+            f"but outside [0, num_blocks={num_blocks})"
+        )
+
+
+def refuse_sparse_extras(attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length) -> None:
+    """The dense decode takes none of the sparse decode's extras: ``ValueError`` naming the first given."""
+    for name, v in (
+        ("attn_sink", attn_sink),
+        ("extra_k_cache", extra_k_cache),
+        ("extra_indices_in_kvcache", extra_indices_in_kvcache),
+        ("topk_length", topk_length),
+        ("extra_topk_length", extra_topk_length),
+    ):
+        if v is not None:
+            raise ValueError(f"{name}: only the sparse decode (indices given) takes it; the dense decode got one")
+
+
+def _check_out_lse(out: Any, lse: Any, q: torch.Tensor, d_v: int, inputs: tuple) -> None:
+    """The caller's ``out [b, s_q, h_q, d_v]`` (q's dtype, last dim contiguous) and ``lse
+    [b, h_q, s_q]`` fp32 buffers, apart from the eight ``inputs`` and from each other."""
+    b, s_q, h_q, _ = q.shape
+    dev = q.device
+    if out is not None:
+        check_tensor(out, "out", (q.dtype,), 4, dev)
+        if tuple(out.shape) != (b, s_q, h_q, d_v):
+            raise ValueError(f"out: expected shape [b={b}, s_q={s_q}, h_q={h_q}, d_v={d_v}], got {list(out.shape)}")
+        if out.stride(-1) != 1 and out.numel() > 0:
+            raise ValueError("out: the last dimension must be contiguous (stride 1)")
+        check_no_self_overlap(out, "out")
+    if lse is not None:
+        check_tensor(lse, "lse", (torch.float32,), 3, dev)
+        if tuple(lse.shape) != (b, h_q, s_q):
+            raise ValueError(f"lse: expected shape [b={b}, h_q={h_q}, s_q={s_q}], got {list(lse.shape)}")
+        check_no_self_overlap(lse, "lse")
+    if out is not None or lse is not None:
+        call = (*inputs, out, lse)
+        check_outputs_apart(call, relative_byte_ranges(call))
+
+
+def _values_readable(t: torch.Tensor) -> bool:
+    """Whether validation may read ``t``'s values on the host: always on the CPU, on CUDA unless
+    the stream is being captured into a graph (a read there is impossible)."""
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def validate_dense_decode(
+    *,
+    q: Any,
+    k_cache: Any,
+    block_table: Any,
+    cache_seqlens: Any,
+    head_dim_v: Any = 512,
+    softmax_scale: Any = None,
+    is_fp8_kvcache: Any = False,
+    causal: Any = False,
+    attn_sink: Any = None,
+    extra_k_cache: Any = None,
+    extra_indices_in_kvcache: Any = None,
+    topk_length: Any = None,
+    extra_topk_length: Any = None,
+    out: Any = None,
+    lse: Any = None,
+    read_values: bool = True,
+) -> DecodeProblem:
+    """Check every argument of the dense decode (:func:`sparse_mla.flash_mla_with_kvcache` without
+    ``indices``); return the :class:`DecodeProblem` (``indices`` None, ``topk_length`` the
+    contiguous ``cache_seqlens``).
+
+    The values of ``cache_seqlens`` and of the block-table entries they use are checked
+    (:func:`check_dense_values`; with ``read_values``, except while a CUDA graph is being
+    captured: on a GPU a host synchronisation); the kernels stay inside the cache whatever they
+    hold (lengths clamped to the table, entries outside the cache read as no token).
+
+    Raises:
+        TypeError / ValueError: naming the first bad argument.
+    """
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    if q.dtype not in DENSE_DTYPES:
+        raise TypeError(f"q: expected dtype torch.bfloat16 or torch.float16, got {q.dtype}")
+    check_tensor(q, "q", DENSE_DTYPES, 4)
+    lay = _check_q_shape(q)
+    b, s_q, h_q, d_qk = q.shape
+    dev = q.device
+    given = (q, k_cache, block_table, cache_seqlens)  # (the caller's: what out/lse must not overlap)
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral) or head_dim_v != lay.d_v:
+        raise ValueError(f"head_dim_v: expected {lay.d_v}, got {shown(head_dim_v)!r}")
+    if not isinstance(is_fp8_kvcache, bool):
+        raise TypeError(f"is_fp8_kvcache: expected a bool, got {type(is_fp8_kvcache).__name__}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    sm_scale = _sm_scale(softmax_scale, d_qk)
+    refuse_sparse_extras(attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length)
+    _check_dense_cache(k_cache, q, lay, is_fp8_kvcache)
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+        got = block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table).__name__
+        raise TypeError(f"block_table: expected an int32 tensor [b, max_blocks], got {got}")
+    check_tensor(block_table, "block_table", (torch.int32,), 2, dev)
+    if block_table.shape[0] != b:
+        raise ValueError(f"block_table: expected shape [b={b}, max_blocks], got {shape_of(block_table)}")
+    if cache_seqlens is None:
+        raise TypeError("cache_seqlens: expected an int32 tensor [b] (the dense decode needs it), got None")
+    cache_seqlens = check_vector(cache_seqlens, "cache_seqlens", torch.int32, b, "b", dev)
+    _check_out_lse(out, lse, q, lay.d_v, (*given, None, None, None, None))
+    p = DecodeProblem(
+        q=q,
+        k_cache=k_cache,
+        indices=None,
+        layout=lay,
+        sm_scale=sm_scale,
+        d_v=lay.d_v,
+        topk_length=cache_seqlens,
+        out=out,
+        lse=lse,
+        block_table=block_table,
+        causal=causal,
+    )
+    if read_values and _values_readable(cache_seqlens):
+        check_dense_values(p)
+    return p
+
+
 def is_empty(p: DecodeProblem) -> bool:
     """An empty step (``b = 0`` or ``s_q = 0``): nothing to schedule or launch."""
     return p.q.shape[0] == 0 or p.q.shape[1] == 0
 
 
-def output_tensors(p: DecodeProblem, out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+def output_tensors(p: DecodeProblem, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The buffers a backend writes: the caller's ``p.out``/``p.lse`` where given, else new
-    ``out [b, s_q, h_q, d_v]`` (``out_dtype``) and ``lse [b, h_q, s_q]`` fp32 tensors on q's device.
-    (A backend that writes another dtype than the caller's ``out`` asks for a new one here and
-    copies at the end.)"""
+    ``out [b, s_q, h_q, d_v]`` (``out_dtype``, default q's dtype) and ``lse [b, h_q, s_q]`` fp32
+    tensors on q's device. (A backend that writes another dtype than the caller's ``out`` asks for
+    a new one here and copies at the end.)"""
     b, s_q, h_q, _ = p.q.shape
+    out_dtype = p.q.dtype if out_dtype is None else out_dtype
     out = p.out
     if out is None or out.dtype != out_dtype:
         out = p.q.new_empty((b, s_q, h_q, p.d_v), dtype=out_dtype)
@@ -290,21 +569,26 @@ def output_tensors(p: DecodeProblem, out_dtype: torch.dtype = torch.bfloat16) ->
 
 
 def finish_outputs(p: DecodeProblem, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` as the caller of ``p`` gets them: :func:`into_buffers` with ``p.out``/``p.lse``."""
-    return into_buffers(p.out, p.lse, out, lse)
+    """``(out, lse)`` as the caller of ``p`` gets them: :func:`into_buffers` with ``p.out``/``p.lse``
+    (``out`` in q's dtype)."""
+    return into_buffers(p.out, p.lse, out, lse, p.q.dtype)
 
 
 def into_buffers(
-    out_buf: torch.Tensor | None, lse_buf: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor
+    out_buf: torch.Tensor | None,
+    lse_buf: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` written into the caller's ``out_buf``/``lse_buf`` where given (a copy unless
-    the backend wrote them already) and returned as those; ``out`` as bf16 otherwise."""
+    the backend wrote them already) and returned as those; ``out`` as ``dtype`` otherwise."""
     if out_buf is not None:
         if out is not out_buf:
             out_buf.copy_(out)
         out = out_buf
     else:
-        out = out.to(torch.bfloat16)
+        out = out.to(dtype)
     if lse_buf is not None:
         if lse is not lse_buf:
             lse_buf.copy_(lse)
@@ -313,7 +597,7 @@ def into_buffers(
 
 
 def empty_outputs(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out [b, s_q, h_q, d_v]`` bf16 and ``lse [b, h_q, s_q]`` fp32 of an empty step (no launch;
+    """``out [b, s_q, h_q, d_v]`` (q's dtype) and ``lse [b, h_q, s_q]`` fp32 of an empty step (no launch;
     the caller's ``out``/``lse`` when given)."""
     return output_tensors(p)
 

@@ -1,4 +1,5 @@
-"""fp32 PyTorch reference of the FP8 sparse MLA decode (the test oracle; docs/design.md §3, walkthrough steps 5-16).
+"""fp32 PyTorch reference of the MLA decode, sparse (FP8 cache, top-k indices) and dense (every
+context position through a block table): the test oracle; docs/design.md §3, walkthrough steps 5-16.
 
 Two references of the same function:
 
@@ -30,6 +31,8 @@ __all__ = [
     "gather_kv",
     "sparse_decode_reference",
     "sparse_decode_split_reference",
+    "dense_decode_reference",
+    "gather_dense_kv",
     "combine_reference",
     "combine_weights",
     "LOG2E",
@@ -263,3 +266,90 @@ def sparse_decode_split_reference(
                 l_acc[ns[req] + split] = lse2
     combine_reference(o_acc, l_acc, sched.acc_rows, out, lse, attn_sink)
     return out, lse
+
+
+def gather_dense_kv(
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    s_q: int,
+    causal: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every context position of each request, through its block-table row.
+
+    Args:
+        k_cache: the FP8 cache (V32 / MODEL1 records, dequantised) or bf16/fp16 rows
+            ``[num_blocks, page_block_size, 1, d_qk]``.
+        block_table: ``[b, max_blocks]`` int; position ``t`` of request ``i`` is slot
+            ``block_table[i, t // page_block_size] * page_block_size + t % page_block_size``.
+        cache_seqlens: ``[b]`` int context lengths.
+        s_q: query tokens per request.
+        causal: query token ``j`` attends the positions below ``cache_seqlens[i] - s_q + j + 1``.
+        dtype: of the returned keys.
+
+    Returns:
+        ``(k, valid)``: ``k [b, cap, d_qk]`` (``cap = max_blocks * page_block_size``) with the rows
+        not attended by any query token set to 0 (never read from the cache), ``valid [b, s_q, cap]``.
+        A position whose block-table entry lies outside the cache is not valid.
+    """
+    nb, pbs = k_cache.shape[0], k_cache.shape[1]
+    b, max_blocks = block_table.shape
+    cap = max_blocks * pbs
+    dev = k_cache.device
+    pos = torch.arange(cap, device=dev)
+    lens = cache_seqlens.to(dev).long().clamp(0, cap)
+    limit = lens.view(b, 1).expand(b, s_q)
+    if causal:
+        limit = limit - (s_q - 1) + torch.arange(s_q, device=dev).view(1, s_q)
+    phys = block_table.to(dev).long()[:, pos // pbs]  # [b, cap]
+    in_cache = (phys >= 0) & (phys < nb)
+    valid = (pos.view(1, 1, cap) < limit.unsqueeze(-1)) & in_cache.unsqueeze(1)  # [b, s_q, cap]
+    any_valid = valid.any(dim=1)  # [b, cap]
+    slots = torch.where(any_valid, phys * pbs + pos % pbs, torch.zeros_like(phys))
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
+    if b * cap == 0:
+        k = torch.zeros(b, cap, layout_of_cache(k_cache).d_qk if fp8 else k_cache.shape[-1], device=dev)
+    elif fp8:
+        k = gather_dequant_tokens(k_cache, layout_of_cache(k_cache), slots)
+    else:
+        k = k_cache[slots // pbs, slots % pbs, 0]
+    k = torch.where(any_valid.unsqueeze(-1), k.to(dtype), torch.zeros((), dtype=dtype, device=dev))
+    return k, valid
+
+
+def dense_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    sm_scale: float | None = None,
+    d_v: int = 512,
+    causal: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense MLA decode computed directly in ``dtype`` (fp32, or float64 for an oracle).
+
+    Args:
+        q: ``[b, s_q, h_q, d_qk]`` (bf16/fp16).
+        k_cache, block_table, cache_seqlens, causal: as :func:`gather_dense_kv`.
+        sm_scale: softmax scale, default ``d_qk ** -0.5``.
+        d_v: value dims (the first ``d_v`` columns of each key).
+
+    Returns:
+        ``out [b, s_q, h_q, d_v]`` and ``lse [b, h_q, s_q]`` (natural log) in ``dtype``; a query token
+        with nothing to attend (length 0, or causal before its first position) gets out 0 and
+        lse +inf.
+    """
+    b, s_q, h_q, d_qk = q.shape
+    sm_scale = d_qk**-0.5 if sm_scale is None else sm_scale
+    k, valid = gather_dense_kv(k_cache, block_table, cache_seqlens, s_q, causal, dtype)
+    s = torch.einsum("bshd,btd->bsht", q.to(dtype), k) * sm_scale
+    s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], float("-inf"), dtype=dtype)
+    lse = torch.where(poisoned_rows(s), torch.full_like(lse, float("nan")), lse)
+    lonely = torch.isneginf(lse)
+    out = torch.einsum("bsht,btd->bshd", softmax_weights(s), k[..., :d_v])
+    out = torch.where(lonely.unsqueeze(-1), torch.zeros_like(out), out)
+    lse = torch.where(lonely, torch.full_like(lse, float("inf")), lse)
+    return out, lse.permute(0, 2, 1).contiguous()

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ..core.fp8 import e4m3_decode_exact
+from ..core.paging import table_slots
 from ..core.target import Target
 from .layouts import cache_bytes
 
@@ -18,6 +19,10 @@ __all__ = [
     "ADDR_GENERAL",
     "e4m3_to",
     "load_block_keys",
+    "SLOTS_INDICES",
+    "SLOTS_BLOCK_TABLE",
+    "paged_positions",
+    "load_paged_rows",
     "cache_args",
     "gather_consts",
     "dot_consts",
@@ -32,6 +37,15 @@ ADDR_POW2_PAGE = tl.constexpr(1)  # power-of-two page_block_size: shift and mask
 
 
 ADDR_GENERAL = tl.constexpr(2)  # integer division
+
+
+# where a block's cache slots come from (constexpr SLOTS of load_block_keys)
+SLOTS_INDICES = tl.constexpr(0)  # an indices tensor: sel = (ptr, stride_b, stride_s, stride_t, topk, len_ptr)
+
+
+# positions pos0.. of request `req` through its block-table row (the dense decode):
+# sel = (block_table_ptr, stride_b, causal_back, stride_col, max_blocks, len_ptr), see paged_positions
+SLOTS_BLOCK_TABLE = tl.constexpr(1)
 
 
 @triton.jit
@@ -66,13 +80,18 @@ def load_block_keys(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     FP8_HW: tl.constexpr,
+    SLOTS: tl.constexpr = SLOTS_INDICES,
 ):
-    """Gather and dequantise BLOCK_N indexed tokens: (k_main [N, 512], k_tail [N, 64], valid [N])."""
+    """Gather and dequantise BLOCK_N indexed tokens: (k_main [N, 512], k_tail [N, 64], valid [N]).
+    ``SLOTS_BLOCK_TABLE``: the tokens at positions ``pos0 ..`` of request ``req`` (the dense decode)."""
     kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2 = cache
     idx_ptr, stride_ib, stride_is, stride_it, _topk, _len_ptr = sel
     offs_n = pos0 + tl.arange(0, BLOCK_N)
     in_list = offs_n < n_valid
-    idx = tl.load(idx_ptr + req * stride_ib + sq * stride_is + offs_n * stride_it, mask=in_list, other=-1)
+    if SLOTS == SLOTS_BLOCK_TABLE:
+        idx, in_list = paged_positions(sel, req, sq, offs_n, n_valid, pbs)
+    else:
+        idx = tl.load(idx_ptr + req * stride_ib + sq * stride_is + offs_n * stride_it, mask=in_list, other=-1)
     valid = in_list & (idx >= 0) & (idx < num_tokens)
     safe = tl.where(valid, idx, 0).to(tl.int64)
     if ADDR == ADDR_CONTIGUOUS_V32:
@@ -117,6 +136,51 @@ def load_block_keys(
         kf = tl.where(is_nope[None, :], kf, rope.to(DOT_DTYPE))
         k_tail = tl.zeros([BLOCK_N, D_TAIL], dtype=tl.bfloat16)
     return kf.to(DOT_DTYPE), k_tail.to(DOT_DTYPE), valid
+
+
+@triton.jit
+def paged_positions(sel, req, sq, pos, n_valid, pbs):
+    """The cache slots of positions ``pos`` (int) of request ``req`` for query token ``sq``, through
+    the block table ``sel = (table_ptr, stride_b, causal_back, stride_col, max_blocks, len_ptr)``:
+    ``(slots int64, counted)``, a slot -1 where the position is not attended. ``n_valid`` is the
+    request's length; with ``causal_back = s_q - 1`` (0 without causal) query token ``sq`` attends
+    the positions below ``n_valid - (causal_back - sq)``."""
+    bt_ptr, stride_bb, back, stride_bc, max_blocks, _len_ptr = sel
+    counted = pos < n_valid - tl.maximum(back - sq, 0)
+    slots = table_slots(pos.to(tl.int64), bt_ptr + req.to(tl.int64) * stride_bb, stride_bc, max_blocks, pbs, counted)
+    return slots, counted
+
+
+@triton.jit
+def load_paged_rows(
+    kv,
+    sel,
+    req,
+    sq,
+    pos0,
+    n_valid,
+    IS_V32: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """Gather BLOCK_N tokens of a bf16/fp16 paged cache ``[num_blocks, pbs, 1, d_qk]`` at positions
+    ``pos0 ..`` of request ``req`` through its block table (:func:`paged_positions`):
+    ``(k_main [N, 512], k_tail [N, 64], valid [N])``; ``kv = (ptr, stride_blk, stride_tok,
+    num_tokens, pbs, unused)`` in elements; ``IS_V32``: d_qk 576 (the tail is columns 512..575),
+    else 512. Tokens not attended are never loaded (0)."""
+    kv_ptr, stride_blk, stride_tok, num_tokens, pbs, _pbs_log2 = kv
+    offs = pos0 + tl.arange(0, BLOCK_N)
+    slots, counted = paged_positions(sel, req, sq, offs, n_valid, pbs)
+    valid = counted & (slots >= 0) & (slots < num_tokens)
+    safe = tl.where(valid, slots, 0)
+    blk = safe // pbs
+    row = kv_ptr + blk * stride_blk + (safe - blk * pbs) * stride_tok
+    k_main = tl.load(row[:, None] + tl.arange(0, 512)[None, :], mask=valid[:, None], other=0.0)
+    if IS_V32:
+        k_tail = tl.load(row[:, None] + 512 + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k_tail = tl.zeros([BLOCK_N, 64], dtype=DOT_DTYPE)
+    return k_main.to(DOT_DTYPE), k_tail.to(DOT_DTYPE), valid
 
 
 def cache_args(kc: torch.Tensor, is_v32: bool) -> tuple[tuple, int]:

@@ -147,6 +147,7 @@ def _import_kernels() -> None:
 
     for m in (
         "decode.kernels.portable",
+        "decode.kernels.dense",
         "decode.kernels.combine",
         "decode.kernels.schedule",
         "decode.kernels.hopper",
@@ -426,6 +427,27 @@ def _decode(layout: str, h_q: int, extra: bool, b: int = 2, topk: int = 128) -> 
     return call
 
 
+def _dense(d_qk: int, kv: str, b: int = 2, s_q: int = 2, h_q: int = 64, pbs: int = 64) -> Callable[[], Any]:
+    """The dense decode (no indices): ``kv`` ``"bf16"``/``"fp16"`` rows, or ``"fp8"`` records of
+    the layout of ``d_qk`` (V32 576, MODEL1 512); causal, contexts of 100 and 200 tokens."""
+
+    def call() -> Any:
+        from ..api import flash_mla_with_kvcache, get_mla_metadata
+
+        dtype = torch.float16 if kv == "fp16" else torch.bfloat16
+        if kv == "fp8":
+            cache = _fp8_cache("V32" if d_qk == 576 else "MODEL1", 8, pbs)
+        else:
+            cache = torch.randn(8, pbs, 1, d_qk, generator=_gen(16)).to(dtype)
+        q = torch.randn(b, s_q, h_q, d_qk, generator=_gen(17)).to(dtype)
+        table = torch.arange(8, dtype=torch.int32).view(b, 4)
+        lens = torch.tensor([100, 200], dtype=torch.int32)[:b]
+        sched, _ = get_mla_metadata()
+        return flash_mla_with_kvcache(q, cache, table, lens, 512, sched, causal=True, is_fp8_kvcache=kv == "fp8")
+
+    return call
+
+
 def _prefill(layout: str, fp8: bool, h_q: int = 64, s_q: int = 4, topk: int = 128) -> Callable[[], Any]:
     def call() -> Any:
         from ..api import flash_mla_sparse_fwd
@@ -520,6 +542,8 @@ def _cases() -> tuple[Case, ...]:
         for h_q in (16, 64, 128):
             for extra in (False, True):
                 out.append(Case("decode", f"{layout} h{h_q}{' extra' if extra else ''}", _decode(layout, h_q, extra)))
+    for d_qk, kv in ((576, "bf16"), (512, "fp16"), (576, "fp8"), (512, "fp8")):
+        out.append(Case("decode", f"dense {kv} d{d_qk}", _dense(d_qk, kv)))
     for layout in ("V32", "MODEL1"):
         for fp8 in (False, True):
             out.append(Case("prefill", f"{layout} {'fp8 cache' if fp8 else 'bf16 kv'}", _prefill(layout, fp8)))
@@ -547,6 +571,8 @@ QUICK_CASES: tuple[Case, ...] = tuple(
     in {
         "decode: V32 h64 extra",
         "decode: MODEL1 h16",
+        "decode: dense bf16 d576",
+        "decode: dense fp8 d512",
         "prefill: V32 fp8 cache",
         "prefill: MODEL1 bf16 kv",
         "indexer logits: H64 D128",
