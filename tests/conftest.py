@@ -34,7 +34,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     # then be compiled ones, and every later interpreter test of that module would fail)
     import importlib
 
-    for _mod in ("decode.kernels.portable", "decode.kernels.dense", "decode.kernels.combine", "decode.kernels.schedule",
+    for _mod in ("decode.kernels.portable", "decode.kernels.combine", "decode.kernels.schedule",
                  "prefill.kernels.portable", "indexer.kernels", "kvcache.kernels.store",
                  "kvcache.kernels.index_convert"):  # fmt: skip
         importlib.import_module(f"sparse_mla.{_mod}")

@@ -8,7 +8,7 @@ how many query heads one of its programs serves (the scheduler sizes the partiti
 ``hopper``     warp-specialised Gluon kernel (:mod:`.hopper`): sm_90 GPUs, both caches
                (V32, MODEL1) and every feature of the sparse decode, compiled (not
                interpreted); not the dense decode
-``portable``   Triton ``tl`` kernels (:mod:`.portable`, dense: :mod:`.dense`): any GPU Triton
+``portable``   Triton ``tl`` kernels (:mod:`.portable`, sparse and dense): any GPU Triton
                supports, and the CPU under Triton's interpreter (``TRITON_INTERPRET=1``);
                every feature, sparse and dense
 ``reference``  fp32 PyTorch twin (:mod:`.reference`; sparse: replaying the schedule): anywhere
@@ -135,10 +135,6 @@ class PortableBackend(TritonOnly, Backend):
     def launch(
         self, p: DecodeProblem, table: ScheduleTable, config: Any = None, workspace: Workspace | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if p.is_dense:
-            from .kernels.dense import launch as launch_dense
-
-            return launch_dense(p, table, config, workspace)
         from .kernels.portable import launch
 
         return launch(p, table, config, workspace)

@@ -24,6 +24,7 @@ __all__ = [
     "paged_positions",
     "load_paged_rows",
     "cache_args",
+    "row_cache_args",
     "gather_consts",
     "dot_consts",
 ]
@@ -44,7 +45,7 @@ SLOTS_INDICES = tl.constexpr(0)  # an indices tensor: sel = (ptr, stride_b, stri
 
 
 # positions pos0.. of request `req` through its block-table row (the dense decode):
-# sel = (block_table_ptr, stride_b, causal_back, stride_col, max_blocks, len_ptr), see paged_positions
+# sel = (block_table_ptr, stride_b, causal_back, stride_col, max_blocks * pbs, len_ptr), see paged_positions
 SLOTS_BLOCK_TABLE = tl.constexpr(1)
 
 
@@ -141,11 +142,12 @@ def load_block_keys(
 @triton.jit
 def paged_positions(sel, req, sq, pos, n_valid, pbs):
     """The cache slots of positions ``pos`` (int) of request ``req`` for query token ``sq``, through
-    the block table ``sel = (table_ptr, stride_b, causal_back, stride_col, max_blocks, len_ptr)``:
+    the block table ``sel = (table_ptr, stride_b, causal_back, stride_col, max_blocks * pbs, len_ptr)``:
     ``(slots int64, counted)``, a slot -1 where the position is not attended. ``n_valid`` is the
     request's length; with ``causal_back = s_q - 1`` (0 without causal) query token ``sq`` attends
     the positions below ``n_valid - (causal_back - sq)``."""
-    bt_ptr, stride_bb, back, stride_bc, max_blocks, _len_ptr = sel
+    bt_ptr, stride_bb, back, stride_bc, positions, _len_ptr = sel
+    max_blocks = positions // pbs
     counted = pos < n_valid - tl.maximum(back - sq, 0)
     slots = table_slots(pos.to(tl.int64), bt_ptr + req.to(tl.int64) * stride_bb, stride_bc, max_blocks, pbs, counted)
     return slots, counted
@@ -193,6 +195,13 @@ def cache_args(kc: torch.Tensor, is_v32: bool) -> tuple[tuple, int]:
     else:
         addr = (ADDR_POW2_PAGE if pow2 else ADDR_GENERAL).value
     return (raw, raw.stride(0), raw.stride(1), nb * pbs, pbs, pbs.bit_length() - 1 if pow2 else 0), addr
+
+
+def row_cache_args(kc: torch.Tensor) -> tuple:
+    """The kernel's ``cache`` tuple for a bf16/fp16 cache ``[num_blocks, pbs, 1, d_qk]`` (strides
+    in elements), as :func:`load_paged_rows` reads it."""
+    nb, pbs = kc.shape[0], kc.shape[1]
+    return (kc, kc.stride(0), kc.stride(1), nb * pbs, pbs, 0)
 
 
 def gather_consts(lay) -> dict:

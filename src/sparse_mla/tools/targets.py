@@ -147,7 +147,6 @@ def _import_kernels() -> None:
 
     for m in (
         "decode.kernels.portable",
-        "decode.kernels.dense",
         "decode.kernels.combine",
         "decode.kernels.schedule",
         "decode.kernels.hopper",

@@ -1,6 +1,13 @@
-"""Portable split-KV sparse decode kernel in Triton ``tl`` (steps 5-15 in docs/design.md) and its
-launcher: any GPU Triton supports, and the CPU under Triton's interpreter. Twin:
-:func:`sparse_mla.decode.reference.sparse_decode_split_reference`.
+"""Portable split-KV decode kernel in Triton ``tl`` (steps 5-15 in docs/design.md) and its
+launcher: any GPU Triton supports, and the CPU under Triton's interpreter. Twins:
+:func:`sparse_mla.decode.reference.sparse_decode_split_reference`, and for the dense decode
+:func:`sparse_mla.decode.reference.dense_decode_reference`.
+
+The dense decode (``flash_mla_with_kvcache`` without ``indices``) is this kernel with request
+``i``'s list being its positions ``0 .. cache_seqlens[i] - 1`` turned into cache slots through its
+block-table row (``SLOTS_BLOCK_TABLE``; ``causal``: query token ``j`` of ``s_q`` stops at position
+``cache_seqlens[i] - s_q + j``), over an FP8 cache or bf16/fp16 rows (``KV_FP8`` False): the same
+schedule from the lengths, split rows and combine. Compiled, fp16 rows take fp16 dot operands.
 
 One program serves one scheduler partition, one query token (``s_q`` index) and ``BLOCK_H``
 query heads. It walks the (batch, 64-index block) pieces the tile scheduler gave its partition;
@@ -17,7 +24,9 @@ with 0 as the fill value), so NaN or garbage in unused cache slots cannot reach 
 
 Kernel arguments travel as tuples (Triton passes their members as separate arguments):
 ``cache = (ptr, block_stride, token_stride, num_tokens, page_block_size, log2(page_block_size))``
-(bytes), ``sel = (indices_ptr, stride_b, stride_s, stride_t, topk, topk_length_ptr)``,
+(bytes; elements for bf16/fp16 rows), ``sel = (indices_ptr, stride_b, stride_s, stride_t, topk,
+topk_length_ptr)`` (dense: ``(block_table_ptr, stride_b, s_q - 1 if causal else 0, stride_col,
+max_blocks * page_block_size, cache_seqlens_ptr)``),
 ``sched = (metadata_ptr, acc_rows_ptr, main_blocks_ptr, num_blocks_ptr)`` and
 ``(ptr, strides...)`` for each output.
 """
@@ -33,7 +42,17 @@ import triton.language as tl
 from ...core.env import LOG2E, cdiv, interpreting, require_runnable
 from ...core.launcher import launch_fitting
 from ...core.target import device_target
-from ...formats.gather import cache_args, dot_consts, gather_consts, load_block_keys
+from ...formats.gather import (
+    SLOTS_BLOCK_TABLE,
+    SLOTS_INDICES,
+    cache_args,
+    dot_consts,
+    gather_consts,
+    load_block_keys,
+    load_paged_rows,
+    paged_positions,
+    row_cache_args,
+)
 from ..problem import DecodeProblem, finish_outputs, output_tensors
 from ..scheduler import TOPK_BLOCK_SIZE, ScheduleTable, small_head_tile
 from ..workspace import split_accumulators
@@ -94,28 +113,38 @@ def _block_step(
     DOT_DTYPE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     FP8_HW: tl.constexpr,
+    SLOTS: tl.constexpr,
+    KV_FP8: tl.constexpr,
     RESCALE_TAU: tl.constexpr = 8.0,
 ):
-    """One BLOCK_N-token step of the online softmax; returns the updated (m, l, acc)."""
-    k_main, k_tail, valid = load_block_keys(
-        cache,
-        sel,
-        req,
-        sq,
-        blk_i * BLOCK_N,
-        n_valid,
-        ADDR,
-        IS_V32,
-        D_MAIN,
-        D_NOPE,
-        D_TAIL,
-        TILE,
-        MAIN_TILES,
-        NUM_TILES,
-        BLOCK_N,
-        DOT_DTYPE,
-        FP8_HW,
-    )
+    """One BLOCK_N-token step of the online softmax; returns the updated (m, l, acc). The keys: FP8
+    records (``KV_FP8``) at the slots of an indices tensor or of block-table positions (``SLOTS``),
+    else bf16/fp16 rows at block-table positions (the dense decode)."""
+    if not KV_FP8:
+        k_main, k_tail, valid = load_paged_rows(
+            cache, sel, req, sq, blk_i * BLOCK_N, n_valid, IS_V32, BLOCK_N, DOT_DTYPE
+        )
+    else:
+        k_main, k_tail, valid = load_block_keys(
+            cache,
+            sel,
+            req,
+            sq,
+            blk_i * BLOCK_N,
+            n_valid,
+            ADDR,
+            IS_V32,
+            D_MAIN,
+            D_NOPE,
+            D_TAIL,
+            TILE,
+            MAIN_TILES,
+            NUM_TILES,
+            BLOCK_N,
+            DOT_DTYPE,
+            FP8_HW,
+            SLOTS,
+        )
     s = tl.dot(q_main, tl.trans(k_main), input_precision=DOT_PREC)
     if IS_V32:
         s += tl.dot(q_tail, tl.trans(k_tail), input_precision=DOT_PREC)
@@ -166,6 +195,8 @@ def _attend_blocks(
     HAS_LEN: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SLOTS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax over scheduler blocks [blk_begin, blk_end) of one cache, BLOCK_N tokens a step.
 
@@ -206,6 +237,8 @@ def _attend_blocks(
                 DOT_DTYPE,
                 DOT_PREC,
                 FP8_HW,
+                SLOTS,
+                KV_FP8,
             )
     else:
         blk_i = sub_begin
@@ -235,6 +268,8 @@ def _attend_blocks(
                 DOT_DTYPE,
                 DOT_PREC,
                 FP8_HW,
+                SLOTS,
+                KV_FP8,
             )
             blk_i += 1
     return m_i, l_i, acc
@@ -276,6 +311,8 @@ def _sparse_decode_kernel(
     FP8_HW: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SLOTS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / BLOCK_H))``. ``q = (ptr, stride_b, stride_s, stride_h)``;
     ``out = (ptr, stride_b, stride_s, stride_h)``, ``lse = (ptr, stride_b, stride_h, stride_s)``;
@@ -314,7 +351,7 @@ def _sparse_decode_kernel(
         n_splits = tl.load(nsplit_ptr + req + 1) - split_base
         n_main = tl.load(mainblk_ptr + req)
 
-        qrow = q_ptr + req * stride_qb + sq * stride_qs + heads.to(tl.int64)[:, None] * stride_qh
+        qrow = q_ptr + req.to(tl.int64) * stride_qb + sq * stride_qs + heads.to(tl.int64)[:, None] * stride_qh
         q_main = tl.load(qrow + cm[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
         if IS_V32:
             q_tail = tl.load(qrow + D_NOPE + ct[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
@@ -354,6 +391,8 @@ def _sparse_decode_kernel(
             HAS_TOPK_LEN,
             FOR_LOOP,
             NUM_STAGES,
+            SLOTS,
+            KV_FP8,
         )
         if HAS_EXTRA:
             m_i, l_i, acc = _attend_blocks(
@@ -385,13 +424,15 @@ def _sparse_decode_kernel(
                 HAS_EXTRA_LEN,
                 FOR_LOOP,
                 NUM_STAGES,
+                SLOTS,
+                KV_FP8,
             )
 
         if n_splits <= 1:
             o, lse_v = final_out_lse(acc, l_i, m_i, sink_log2, HAS_SINK)
-            optr = out_ptr + req * stride_ob + sq * stride_os + heads[:, None] * stride_oh + cm[None, :]
+            optr = out_ptr + req.to(tl.int64) * stride_ob + sq * stride_os + heads[:, None] * stride_oh + cm[None, :]
             tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-            tl.store(lse_ptr + req * stride_lb + heads * stride_lh + sq * stride_ls, lse_v, mask=hmask)
+            tl.store(lse_ptr + req.to(tl.int64) * stride_lb + heads * stride_lh + sq * stride_ls, lse_v, mask=hmask)
         else:
             lonely = l_i == 0.0
             l_safe = tl.where(lonely, 1.0, l_i)
@@ -407,6 +448,19 @@ def _sel_args(indices: torch.Tensor, lengths: torch.Tensor | None, dummy: torch.
     return (indices, *indices.stride(), indices.shape[2], lengths if lengths is not None else dummy)
 
 
+def _keys_args(p: DecodeProblem, is_v32: bool, dummy: torch.Tensor) -> tuple[tuple, int, tuple]:
+    """``(cache, ADDR, sel)`` of the main cache: the indices' slots (sparse), or the positions
+    ``0 .. cache_seqlens - 1`` through the block table (dense; ``cache_seqlens`` is ``topk_length``
+    and ``max_blocks * page_block_size`` plays ``topk``)."""
+    if not p.is_dense:
+        cache, addr = cache_args(p.k_cache, is_v32)
+        return cache, addr, _sel_args(p.indices, p.topk_length, dummy)
+    cache, addr = cache_args(p.k_cache, is_v32) if p.fp8_cache else (row_cache_args(p.k_cache), 0)
+    bt, pbs = p.block_table, cache[4]
+    back = p.q.shape[1] - 1 if p.causal else 0
+    return cache, addr, (bt, bt.stride(0), back, bt.stride(1), bt.shape[1] * pbs, p.topk_length)
+
+
 DEFAULT_CONFIG = PortableConfig()  # frozen: one validated instance serves every default call
 
 
@@ -419,16 +473,17 @@ def launch(
     """Launch the portable split-KV kernel, and the combine kernel when some batch is split.
 
     Args:
-        p: a validated, non-empty problem (:func:`sparse_mla.decode.problem.validate_sparse_decode`).
+        p: a validated, non-empty problem (:func:`sparse_mla.decode.problem.validate_sparse_decode`,
+            or for the dense decode :func:`~sparse_mla.decode.problem.validate_dense_decode`).
         table: its schedule on ``p.q``'s device, sized for this backend's tile.
         config: launch parameters (default :class:`PortableConfig`).
         workspace: ``(o_accum, lse_accum)`` of at least ``table.num_acc_rows`` rows
             (:func:`.workspace.split_accumulators`), or None to allocate them.
 
     Returns:
-        ``out [b, s_q, h_q, 512]`` bf16, ``lse [b, h_q, s_q]`` fp32.
+        ``out [b, s_q, h_q, 512]`` in q's dtype, ``lse [b, h_q, s_q]`` fp32.
     """
-    require_runnable(_sparse_decode_kernel, p.q.device, final_out_lse)
+    require_runnable(_sparse_decode_kernel, p.q.device, final_out_lse, load_paged_rows, paged_positions)
     config = config or DEFAULT_CONFIG
     q = p.q
     b, s_q, h_q, _ = q.shape
@@ -438,12 +493,11 @@ def launch(
     interp = interpreting()
     # Triton 3.6's interpreter truncates fp32 -> bf16 instead of rounding to nearest even: there
     # the kernels write fp32 and torch rounds once at the end (compiled kernels write bf16).
-    out, lse = output_tensors(p, torch.float32 if interp else torch.bfloat16)
+    out, lse = output_tensors(p, torch.float32 if interp else q.dtype)
     o_acc, l_acc = workspace or split_accumulators(table.num_acc_rows, s_q, h_q, p.d_v, dev)
     is_v32 = lay.name == "V32"
     dummy_i32 = table.acc_rows
-    cache, addr = cache_args(p.k_cache, is_v32)
-    sel = _sel_args(p.indices, p.topk_length, dummy_i32)
+    cache, addr, sel = _keys_args(p, is_v32, dummy_i32)
     has_extra = p.extra_k_cache is not None
     extra_cache, extra_addr = cache_args(p.extra_k_cache, is_v32) if has_extra else (cache, addr)
     extra_sel = _sel_args(p.extra_indices, p.extra_topk_length, dummy_i32) if has_extra else sel
@@ -476,8 +530,12 @@ def launch(
         HAS_EXTRA=has_extra,
         HAS_EXTRA_LEN=p.extra_topk_length is not None,
         HAS_SINK=p.attn_sink is not None,
+        SLOTS=(SLOTS_BLOCK_TABLE if p.is_dense else SLOTS_INDICES).value,
+        KV_FP8=p.fp8_cache,
         **dot_consts(device_target(dev)),
     )
+    if not interp and q.dtype == torch.float16:
+        consts["DOT_DTYPE"] = tl.float16  # fp16 rows of the dense decode (FP8 caches take bf16 queries)
     launch_fitting(
         _sparse_decode_kernel,
         (table.num_sm_parts, s_q, cdiv(h_q, block_h)),
