@@ -199,6 +199,25 @@ def test_reused_scheduler_object_follows_new_lengths():
             d.call(meta=meta)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_graph_replay_follows_new_lengths():
+    """A captured dense call replays with the lengths and block table its buffers hold at replay
+    (the schedule is made on the device inside the graph)."""
+    d = make_dense([200, 37, 64], 2, 16, 576, pbs=64, causal=True, seed=5)
+    d.k_cache = d.clean.to(DEVICE)  # every slot finite: the block table changes below
+    out, lse, meta = check(d, num_sms=16)  # fills the scheduler object
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse, _ = d.call(meta=meta)
+    for lens in ([200, 37, 64], [5, 130, 2], [0, 64, 199]):
+        d.cache_seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        torch.manual_seed(len(lens) + lens[0])
+        d.block_table.copy_(torch.randperm(d.clean.shape[0])[: d.block_table.numel()].view_as(d.block_table))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_decode_close(g_out, g_lse, *d.twin(), tol=DENSE)
+
+
 def test_reference_backend_and_hopper_refusal():
     d = make_dense([25, 4], 2, 16, 576, causal=True, seed=9)
     out, lse, meta = d.call(backend="reference")
