@@ -218,6 +218,33 @@ def test_graph_replay_follows_new_lengths():
         check_decode_close(g_out, g_lse, *d.twin(), tol=DENSE)
 
 
+def test_strides_past_int32_offsets():
+    """Views whose s_q stride takes an offset past 2^31 elements (q read, lse written) address
+    right: the kernels' offsets are int64. (The buffers are virtual: only the viewed elements are
+    touched.)"""
+    big = 2**30 + 64
+    d = make_dense([40], 1, 1, 576, seed=11)
+    d.k_cache = d.clean.to(DEVICE)
+    q3 = torch.cat([d.q] * 3, dim=1)  # s_q 3
+    buf = torch.empty(2 * big + 576, dtype=q3.dtype, device=DEVICE)
+    q = buf.as_strided((1, 3, 1, 576), (3 * big, big, 576, 1))
+    q.copy_(q3)
+    d.q = q
+    lse = torch.empty(2 * big + 8, device=DEVICE).as_strided((1, 1, 3), (3 * big, 3 * big, big))
+    out, got_lse, _ = d.call(lse=lse)
+    want_out, want_lse = d.twin()
+    check_decode_close(out, got_lse, want_out, want_lse, tol=DENSE)
+    assert torch.equal(got_lse.cpu(), lse.cpu())
+
+
+def test_more_slots_than_int32_are_refused():
+    """A cache (or an expanded view) of more than 2^31 - 1 token slots: refused, not read as empty."""
+    d = make_dense([64], 1, 4, 576, pbs=64, seed=12)
+    d.k_cache = d.clean[:1].to(DEVICE).expand(2**26, -1, -1, -1)  # 2^32 slots
+    with pytest.raises(ValueError, match="^k_cache: .* token slots"):
+        d.call()
+
+
 def test_reference_backend_and_hopper_refusal():
     d = make_dense([25, 4], 2, 16, 576, causal=True, seed=9)
     out, lse, meta = d.call(backend="reference")

@@ -371,6 +371,7 @@ def _check_dense_cache(k_cache: Any, q: torch.Tensor, lay: KVCacheLayout, is_fp8
         if q.dtype != torch.bfloat16:
             raise TypeError(f"q: the FP8 cache (is_fp8_kvcache=True) needs bf16 queries, got {q.dtype}")
         check_cache(k_cache, "k_cache", lay, dev)
+        _check_slot_count(k_cache)
         return
     d_qk = q.shape[-1]
     if not isinstance(k_cache, torch.Tensor):
@@ -389,6 +390,18 @@ def _check_dense_cache(k_cache: Any, q: torch.Tensor, lay: KVCacheLayout, is_fp8
         raise ValueError(f"k_cache: needs at least one block of at least one token, got {shape_of(k_cache)}")
     if k_cache.stride(-1) != 1:
         raise ValueError("k_cache: the last dimension must be contiguous (stride 1)")
+    _check_slot_count(k_cache)
+
+
+def _check_slot_count(k_cache: torch.Tensor) -> None:
+    """The dense decode addresses a token as ``block * page_block_size + offset`` in int32 (as
+    FlashMLA's indices do): a cache (or an expanded view of one) of more slots is refused."""
+    slots = k_cache.shape[0] * k_cache.shape[1]
+    if slots > 2**31 - 1:
+        raise ValueError(
+            f"k_cache: {k_cache.shape[0]} blocks x page_block_size {k_cache.shape[1]} = {slots} token slots, "
+            f"more than the 2^31 - 1 the decode addresses (int32 slots)"
+        )
 
 
 def check_dense_values(p: DecodeProblem) -> None:

@@ -81,6 +81,9 @@ def _combine_kernel(
     are all in flight together, merged with an online max."""
     req = tl.program_id(0)
     sq = tl.program_id(1) % s_q
+    # out / lse offsets in int64: a view's strides can take them past 2^31 elements
+    req64 = req.to(tl.int64)
+    sq64 = sq.to(tl.int64)
     hb = tl.program_id(1) // s_q
     db = tl.program_id(2)
     start = tl.load(nsplit_ptr + req)
@@ -150,12 +153,12 @@ def _combine_kernel(
             sink_log2 = tl.load(sink_ptr + heads, mask=hmask, other=float("-inf")) * 1.4426950408889634
         o, lse = final_out_lse(acc, tot, m, sink_log2, HAS_SINK)
         tl.store(
-            out_ptr + req * stride_ob + sq * stride_os + heads[:, None] * stride_oh + cols[None, :],
+            out_ptr + req64 * stride_ob + sq64 * stride_os + heads.to(tl.int64)[:, None] * stride_oh + cols[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=hmask[:, None],
         )
         if db == 0:
-            tl.store(lse_ptr + req * stride_lb + heads * stride_lh + sq * stride_ls, lse, mask=hmask)
+            tl.store(lse_ptr + req64 * stride_lb + heads.to(tl.int64) * stride_lh + sq64 * stride_ls, lse, mask=hmask)
 
 
 #: fp32 values of one program's partial outputs in flight (BLOCK_S x BLOCK_H x BLOCK_D): 64 registers

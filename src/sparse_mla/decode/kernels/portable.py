@@ -336,6 +336,9 @@ def _sparse_decode_kernel(
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < h_q
+    # offsets in int64: a view's strides can take them past 2^31 elements
+    sq64 = sq.to(tl.int64)
+    h64 = heads.to(tl.int64)
     cm = tl.arange(0, D_MAIN)
     ct = tl.arange(0, D_TAIL)
     sink_log2 = tl.zeros([BLOCK_H], tl.float32)
@@ -351,7 +354,7 @@ def _sparse_decode_kernel(
         n_splits = tl.load(nsplit_ptr + req + 1) - split_base
         n_main = tl.load(mainblk_ptr + req)
 
-        qrow = q_ptr + req.to(tl.int64) * stride_qb + sq * stride_qs + heads.to(tl.int64)[:, None] * stride_qh
+        qrow = q_ptr + req.to(tl.int64) * stride_qb + sq64 * stride_qs + h64[:, None] * stride_qh
         q_main = tl.load(qrow + cm[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
         if IS_V32:
             q_tail = tl.load(qrow + D_NOPE + ct[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
@@ -430,17 +433,17 @@ def _sparse_decode_kernel(
 
         if n_splits <= 1:
             o, lse_v = final_out_lse(acc, l_i, m_i, sink_log2, HAS_SINK)
-            optr = out_ptr + req.to(tl.int64) * stride_ob + sq * stride_os + heads[:, None] * stride_oh + cm[None, :]
+            optr = out_ptr + req.to(tl.int64) * stride_ob + sq64 * stride_os + h64[:, None] * stride_oh + cm[None, :]
             tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-            tl.store(lse_ptr + req.to(tl.int64) * stride_lb + heads * stride_lh + sq * stride_ls, lse_v, mask=hmask)
+            tl.store(lse_ptr + req.to(tl.int64) * stride_lb + h64 * stride_lh + sq64 * stride_ls, lse_v, mask=hmask)
         else:
             lonely = l_i == 0.0
             l_safe = tl.where(lonely, 1.0, l_i)
             lse2 = tl.where(lonely, float("-inf"), tl.log2(l_safe) + tl.where(lonely, 0.0, m_i))
             row = (split_base + split).to(tl.int64)
-            aptr = oacc_ptr + row * stride_ar + sq * stride_as + heads[:, None] * stride_ah + cm[None, :]
+            aptr = oacc_ptr + row * stride_ar + sq64 * stride_as + h64[:, None] * stride_ah + cm[None, :]
             tl.store(aptr, acc / l_safe[:, None], mask=hmask[:, None])
-            tl.store(lacc_ptr + row * stride_lr + sq * stride_lsq + heads, lse2, mask=hmask)
+            tl.store(lacc_ptr + row * stride_lr + sq64 * stride_lsq + h64, lse2, mask=hmask)
         req += 1
 
 
