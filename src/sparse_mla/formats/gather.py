@@ -92,10 +92,11 @@ def load_block_keys(
     if SLOTS == SLOTS_BLOCK_TABLE:
         idx, in_list = paged_positions(sel, req, sq, offs_n, n_valid, pbs)
     else:
+        # offsets in int64 (a view's strides can take them past 2^31); req and sq may be ints
+        row = tl.zeros([], tl.int64) + req
+        col = tl.zeros([], tl.int64) + sq
         idx = tl.load(
-            idx_ptr + req.to(tl.int64) * stride_ib + sq.to(tl.int64) * stride_is + offs_n.to(tl.int64) * stride_it,
-            mask=in_list,
-            other=-1,
+            idx_ptr + row * stride_ib + col * stride_is + offs_n.to(tl.int64) * stride_it, mask=in_list, other=-1
         )
     valid = in_list & (idx >= 0) & (idx < num_tokens)
     safe = tl.where(valid, idx, 0).to(tl.int64)
