@@ -23,7 +23,7 @@ from .core.env import on_tensor_device
 from .core.traced import defer_argument_error
 from .decode.eager import decode
 from .decode.plan import FlashMLASchedMeta, check_sched_meta, decode_workspace_bytes, get_mla_metadata
-from .decode.problem import decode_output_specs
+from .decode.problem import decode_output_specs, refuse_sparse_extras
 from .prefill.backends import run_prefill
 from .prefill.problem import check_traced_prefill_args, prefill_output_specs, validate_sparse_prefill
 
@@ -149,13 +149,7 @@ def flash_mla_with_kvcache(
         if num_splits is not None:
             raise ValueError("num_splits: must be None (the splits live in tile_scheduler_metadata)")
         if indices is None:  # the dense decode takes none of the sparse decode's extras
-            for name, v in (("attn_sink", attn_sink), ("extra_k_cache", extra_k_cache),
-                            ("extra_indices_in_kvcache", extra_indices_in_kvcache), ("topk_length", topk_length),
-                            ("extra_topk_length", extra_topk_length)):  # fmt: skip
-                if v is not None:
-                    raise ValueError(
-                        f"{name}: only the sparse decode (indices given) takes it; the dense decode got one"
-                    )
+            refuse_sparse_extras(attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length)
     except (TypeError, ValueError) as e:
         if not torch.compiler.is_compiling():
             raise

@@ -123,13 +123,10 @@ def decode(
     check_sched_meta(tile_scheduler_metadata)
     # the call's tensors by DecodeProblem field: what the fingerprint covers and a repeated call replaces
     # (dense: the block table in the place of the indices, cache_seqlens in that of topk_length)
-    fields = dict(q=q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
-                  extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,
+    rows = dict(block_table=block_table) if dense else dict(indices=indices)
+    fields = dict(q=q, k_cache=k_cache, **rows, topk_length=cache_seqlens if dense else topk_length,
+                  attn_sink=attn_sink, extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,
                   extra_topk_length=extra_topk_length, out=out, lse=lse)  # fmt: skip
-    if dense:
-        fields = dict(q=q, k_cache=k_cache, block_table=block_table, topk_length=cache_seqlens, attn_sink=attn_sink,
-                      extra_k_cache=extra_k_cache, extra_indices=extra_indices_in_kvcache,
-                      extra_topk_length=extra_topk_length, out=out, lse=lse)  # fmt: skip
     # with their types: 512.0 == 512 and True == 1, but validation refuses a float head_dim_v / bool scale
     scalars = (head_dim_v, type(head_dim_v), softmax_scale, type(softmax_scale), is_fp8_kvcache,
                type(is_fp8_kvcache), causal, type(causal), backend)  # fmt: skip

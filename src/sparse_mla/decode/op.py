@@ -74,8 +74,8 @@ def _check_sched_tensors(
     num_blocks: torch.Tensor,
 ) -> None:
     b = q.shape[0]
+    _check_metadata(q, metadata)
     for name, t, shape in (
-        ("tile_scheduler_metadata", metadata, None),
         ("acc_rows", acc_rows, (b + 1,)),
         ("main_blocks", main_blocks, (b,)),
         ("num_blocks", num_blocks, (b,)),
@@ -84,8 +84,18 @@ def _check_sched_tensors(
             raise TypeError(f"{name}: expected an int32 tensor")
         if t.device != q.device:
             raise ValueError(f"{name}: expected a tensor on {q.device} (where q is), got {t.device}")
-        if shape is not None and tuple(t.shape) != shape:
+        if tuple(t.shape) != shape:
             raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+
+
+def _check_metadata(q: torch.Tensor, metadata: torch.Tensor) -> None:
+    """``tile_scheduler_metadata [num_sm_parts >= 1, 8]`` int32 on q's device."""
+    if not isinstance(metadata, torch.Tensor) or metadata.dtype != torch.int32:
+        raise TypeError("tile_scheduler_metadata: expected an int32 tensor")
+    if metadata.device != q.device:
+        raise ValueError(
+            f"tile_scheduler_metadata: expected a tensor on {q.device} (where q is), got {metadata.device}"
+        )
     if metadata.dim() != 2 or metadata.shape[1] != len(META_FIELDS) or metadata.shape[0] < 1:
         raise ValueError(
             f"tile_scheduler_metadata: expected shape [num_sm_parts >= 1, {len(META_FIELDS)}], got {list(metadata.shape)}"
@@ -415,13 +425,7 @@ def _dense_decode_op(
     if is_empty(p):
         resolve_backend(p, backend)  # checked on an empty step too
         return empty_outputs(p)
-    if not isinstance(tile_scheduler_metadata, torch.Tensor) or tile_scheduler_metadata.dtype != torch.int32:
-        raise TypeError("tile_scheduler_metadata: expected an int32 tensor")
-    if tile_scheduler_metadata.dim() != 2 or tile_scheduler_metadata.shape[0] < 1:
-        raise ValueError(
-            f"tile_scheduler_metadata: expected shape [num_sm_parts >= 1, {len(META_FIELDS)}], "
-            f"got {list(tile_scheduler_metadata.shape)}"
-        )
+    _check_metadata(q, tile_scheduler_metadata)
     # the schedule of these lengths is made on the device (the tensor gives its partition count)
     table = dynamic_table(q.shape[0], int(tile_scheduler_metadata.shape[0]), q.device)
     return run_decode(p, resolve_backend(p, backend), table, own_table=True)

@@ -184,8 +184,16 @@ def check_traced_decode_args(
     lay = get_layout(d_qk)
     _check_flags(lay, head_dim_v, is_fp8_kvcache, causal)
     sm_scale = _sm_scale(softmax_scale, d_qk)
+    _check_traced_buffers(out, lse, q, lay.d_v)
+    return sm_scale
+
+
+def _check_traced_buffers(out: Any, lse: Any, q: torch.Tensor, d_v: int) -> None:
+    """The traceable checks of the caller's ``out`` (q's dtype) and ``lse`` (fp32) buffers: dtype,
+    shape and device (their overlap with the inputs is checked by the operator)."""
+    b, s_q, h_q, _ = q.shape
     for buf, name, dtype, shape in (
-        (out, "out", torch.bfloat16, (b, s_q, h_q, lay.d_v)),
+        (out, "out", q.dtype, (b, s_q, h_q, d_v)),
         (lse, "lse", torch.float32, (b, h_q, s_q)),
     ):
         if buf is None:
@@ -196,7 +204,6 @@ def check_traced_decode_args(
             raise ValueError(f"{name}: expected shape {shape_text(shape)}, got {shape_of(buf)}")
         if buf.device != q.device:
             raise ValueError(f"{name}: expected a tensor on {q.device} (where q is), got {buf.device}")
-    return sm_scale
 
 
 def check_traced_dense_args(
@@ -227,25 +234,19 @@ def check_traced_dense_args(
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
         raise TypeError("k_cache: expected a 4-D tensor [num_blocks, page_block_size, 1, bytes or d_qk]")
     lay = get_layout(d_qk)
+    _check_dense_flags(lay, head_dim_v, is_fp8_kvcache, causal)
+    sm_scale = _sm_scale(softmax_scale, d_qk)
+    _check_traced_buffers(out, lse, q, lay.d_v)
+    return sm_scale
+
+
+def _check_dense_flags(lay: KVCacheLayout, head_dim_v: Any, is_fp8_kvcache: Any, causal: Any) -> None:
+    """The dense decode's ``head_dim_v`` (the layout's d_v) and its two bool flags."""
     if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral) or head_dim_v != lay.d_v:
         raise ValueError(f"head_dim_v: expected {lay.d_v}, got {shown(head_dim_v)!r}")
     for name, v in (("is_fp8_kvcache", is_fp8_kvcache), ("causal", causal)):
         if not isinstance(v, bool):
             raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
-    sm_scale = _sm_scale(softmax_scale, d_qk)
-    for buf, name, dtype, shape in (
-        (out, "out", q.dtype, (b, s_q, h_q, lay.d_v)),
-        (lse, "lse", torch.float32, (b, h_q, s_q)),
-    ):
-        if buf is None:
-            continue
-        if not isinstance(buf, torch.Tensor) or buf.dtype != dtype:
-            raise TypeError(f"{name}: expected a {dtype} tensor")
-        if tuple(buf.shape) != shape:
-            raise ValueError(f"{name}: expected shape {shape_text(shape)}, got {shape_of(buf)}")
-        if buf.device != q.device:
-            raise ValueError(f"{name}: expected a tensor on {q.device} (where q is), got {buf.device}")
-    return sm_scale
 
 
 def decode_output_specs(q: Any, indices: Any, k_cache: Any) -> tuple[list, torch.device]:
@@ -327,21 +328,7 @@ def validate_sparse_decode(
         _check_indices(extra_indices_in_kvcache, "extra_indices_in_kvcache", b, s_q, dev)
         extra_topk_length = check_vector(extra_topk_length, "extra_topk_length", torch.int32, b, "b", dev)
     attn_sink = check_vector(attn_sink, "attn_sink", torch.float32, h_q, "h_q", dev)
-    if out is not None:
-        check_tensor(out, "out", (torch.bfloat16,), 4, dev)
-        if tuple(out.shape) != (b, s_q, h_q, lay.d_v):
-            raise ValueError(f"out: expected shape [b={b}, s_q={s_q}, h_q={h_q}, d_v={lay.d_v}], got {list(out.shape)}")
-        if out.stride(-1) != 1 and out.numel() > 0:
-            raise ValueError("out: the last dimension must be contiguous (stride 1)")
-        check_no_self_overlap(out, "out")
-    if lse is not None:
-        check_tensor(lse, "lse", (torch.float32,), 3, dev)
-        if tuple(lse.shape) != (b, h_q, s_q):
-            raise ValueError(f"lse: expected shape [b={b}, h_q={h_q}, s_q={s_q}], got {list(lse.shape)}")
-        check_no_self_overlap(lse, "lse")
-    if out is not None or lse is not None:
-        call = (*given, out, lse)
-        check_outputs_apart(call, relative_byte_ranges(call))
+    _check_out_lse(out, lse, q, lay.d_v, given)
     return DecodeProblem(
         q=q,
         k_cache=k_cache,
@@ -459,7 +446,8 @@ def refuse_sparse_extras(attn_sink, extra_k_cache, extra_indices_in_kvcache, top
 
 def _check_out_lse(out: Any, lse: Any, q: torch.Tensor, d_v: int, inputs: tuple) -> None:
     """The caller's ``out [b, s_q, h_q, d_v]`` (q's dtype, last dim contiguous) and ``lse
-    [b, h_q, s_q]`` fp32 buffers, apart from the eight ``inputs`` and from each other."""
+    [b, h_q, s_q]`` fp32 buffers, apart from the call's eight ``inputs`` (in
+    :func:`check_outputs_apart`'s order, None where not given) and from each other."""
     b, s_q, h_q, _ = q.shape
     dev = q.device
     if out is not None:
@@ -525,12 +513,7 @@ def validate_dense_decode(
     b, s_q, h_q, d_qk = q.shape
     dev = q.device
     given = (q, k_cache, block_table, cache_seqlens)  # (the caller's: what out/lse must not overlap)
-    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral) or head_dim_v != lay.d_v:
-        raise ValueError(f"head_dim_v: expected {lay.d_v}, got {shown(head_dim_v)!r}")
-    if not isinstance(is_fp8_kvcache, bool):
-        raise TypeError(f"is_fp8_kvcache: expected a bool, got {type(is_fp8_kvcache).__name__}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    _check_dense_flags(lay, head_dim_v, is_fp8_kvcache, causal)
     sm_scale = _sm_scale(softmax_scale, d_qk)
     refuse_sparse_extras(attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length)
     _check_dense_cache(k_cache, q, lay, is_fp8_kvcache)

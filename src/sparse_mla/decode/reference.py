@@ -102,6 +102,19 @@ def softmax_weights(s: torch.Tensor) -> torch.Tensor:
     return p / p.sum(dim=-1, keepdim=True)
 
 
+def _softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(weights, lse, lonely)`` of scores ``s [..., t]`` (natural units): :func:`softmax_weights`,
+    the natural-log ``lse`` (NaN for a poisoned row, +inf for a row with nothing valid) and those
+    lonely rows (whose out the callers set to 0)."""
+    if s.shape[-1]:
+        lse = torch.logsumexp(s, dim=-1)  # -inf when nothing is valid
+    else:
+        lse = torch.full(s.shape[:-1], float("-inf"), dtype=s.dtype, device=s.device)
+    lse = torch.where(poisoned_rows(s), torch.full_like(lse, float("nan")), lse)
+    lonely = torch.isneginf(lse)
+    return softmax_weights(s), torch.where(lonely, torch.full_like(lse, float("inf")), lse), lonely
+
+
 def _sink_factor(lse: torch.Tensor, attn_sink: torch.Tensor | None) -> torch.Tensor:
     """``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``; lse [..., h], sink [h].
 
@@ -143,12 +156,8 @@ def sparse_decode_reference(
     d_qk = q.shape[-1]
     sm_scale = d_qk**-0.5 if sm_scale is None else sm_scale
     s, v, _ = _scores_and_values(q, k_cache, indices, topk_length, extra_k_cache, extra_indices, extra_topk_length, d_v)
-    s = s * sm_scale
-    lse = torch.logsumexp(s, dim=-1)  # [b, s_q, h]; -inf when nothing is valid
-    lse = torch.where(poisoned_rows(s), torch.full_like(lse, float("nan")), lse)
-    lonely = torch.isneginf(lse)
-    out = torch.einsum("bsht,bstd->bshd", softmax_weights(s), v)
-    lse = torch.where(lonely, torch.full_like(lse, float("inf")), lse)
+    w, lse, lonely = _softmax_lse(s * sm_scale)
+    out = torch.einsum("bsht,bstd->bshd", w, v)
     out = out * _sink_factor(lse, attn_sink).unsqueeze(-1)
     out = torch.where(lonely.unsqueeze(-1), torch.zeros_like(out), out)
     return out, lse.permute(0, 2, 1).contiguous()
@@ -345,11 +354,7 @@ def dense_decode_reference(
     sm_scale = d_qk**-0.5 if sm_scale is None else sm_scale
     k, valid = gather_dense_kv(k_cache, block_table, cache_seqlens, s_q, causal, dtype)
     s = torch.einsum("bshd,btd->bsht", q.to(dtype), k) * sm_scale
-    s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], float("-inf"), dtype=dtype)
-    lse = torch.where(poisoned_rows(s), torch.full_like(lse, float("nan")), lse)
-    lonely = torch.isneginf(lse)
-    out = torch.einsum("bsht,btd->bshd", softmax_weights(s), k[..., :d_v])
+    w, lse, lonely = _softmax_lse(s.masked_fill(~valid.unsqueeze(2), float("-inf")))
+    out = torch.einsum("bsht,btd->bshd", w, k[..., :d_v])
     out = torch.where(lonely.unsqueeze(-1), torch.zeros_like(out), out)
-    lse = torch.where(lonely, torch.full_like(lse, float("inf")), lse)
     return out, lse.permute(0, 2, 1).contiguous()

@@ -455,10 +455,9 @@ def _keys_args(p: DecodeProblem, is_v32: bool, dummy: torch.Tensor) -> tuple[tup
     """``(cache, ADDR, sel)`` of the main cache: the indices' slots (sparse), or the positions
     ``0 .. cache_seqlens - 1`` through the block table (dense; ``cache_seqlens`` is ``topk_length``
     and ``max_blocks * page_block_size`` plays ``topk``)."""
-    if not p.is_dense:
-        cache, addr = cache_args(p.k_cache, is_v32)
-        return cache, addr, _sel_args(p.indices, p.topk_length, dummy)
     cache, addr = cache_args(p.k_cache, is_v32) if p.fp8_cache else (row_cache_args(p.k_cache), 0)
+    if not p.is_dense:
+        return cache, addr, _sel_args(p.indices, p.topk_length, dummy)
     bt, pbs = p.block_table, cache[4]
     back = p.q.shape[1] - 1 if p.causal else 0
     return cache, addr, (bt, bt.stride(0), back, bt.stride(1), bt.shape[1] * pbs, p.topk_length)
