@@ -11,6 +11,7 @@ interpreter.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -35,6 +36,20 @@ pytestmark = pytest.mark.skipif(
 
 #: FlashMLA's dense decode test tolerances (its out bound is tighter than the sparse one's)
 DENSE = Tolerance(out_abs=8e-4, out_rel=2.01 / 128, out_cos=5e-6, lse_abs=1e-6, lse_rel=8.01 / 65536)
+
+
+def tol_for(d: Dense) -> Tolerance:
+    """FlashMLA's dense tolerances, with the elementwise out bound widened by what rounding P to
+    bf16 before P·V may cost (as FlashMLA's kernel rounds it): ``|Δout| <= 2^-9 · max|v|``.
+    FlashMLA's test data (values ~0.1, contexts of hundreds of tokens) stays far inside 8e-4; these
+    tests use values up to ~4 and contexts of a few tokens, where one rounded weight shows. The
+    cosine bound is FlashMLA's."""
+    k = flash_mla.dequantize_k_cache(d.clean, "V32" if d.q.shape[-1] == 576 else "MODEL1") if d.fp8 else d.clean
+    v = k[..., :512].float()
+    vmax = float(v[v.isfinite()].abs().max()) if v.numel() else 0.0
+    return dataclasses.replace(DENSE, out_abs=DENSE.out_abs + 2.0**-9 * vmax)
+
+
 #: what FlashMLA's dense test writes into the block-table entries past a request's length
 GARBAGE_BLOCK = 2147480000
 
@@ -98,7 +113,7 @@ def check(d: Dense, num_sms=8, **kw):
     assert out.dtype == d.q.dtype and lse.dtype == torch.float32
     assert out.shape == (b, s_q, h_q, 512) and lse.shape == (b, h_q, s_q)
     ro, rl = d.twin()
-    check_decode_close(out, lse, ro, rl, tol=DENSE)
+    check_decode_close(out, lse, ro, rl, tol=tol_for(d))
     return out, lse, meta
 
 
@@ -179,7 +194,7 @@ def test_out_and_lse_buffers():
     o, lo, _ = d.call(out=out, lse=lse)
     assert o is out and lo is lse
     ro, rl = d.twin()
-    check_decode_close(out, lse, ro, rl, tol=DENSE)
+    check_decode_close(out, lse, ro, rl, tol=tol_for(d))
 
 
 def test_reused_scheduler_object_follows_new_lengths():
@@ -192,7 +207,7 @@ def test_reused_scheduler_object_follows_new_lengths():
     d.block_table[1, :3] = torch.tensor([0, 1, 2], dtype=torch.int32)
     d.k_cache = d.clean.to(DEVICE)
     out, lse, _ = d.call(meta=meta)
-    check_decode_close(out, lse, *d.twin(), tol=DENSE)
+    check_decode_close(out, lse, *d.twin(), tol=tol_for(d))
     if DEVICE == "cpu":
         d.cache_seqlens = torch.tensor([3, -1], dtype=torch.int32)
         with pytest.raises(ValueError, match="^cache_seqlens: expected lengths >= 0"):
@@ -215,7 +230,7 @@ def test_graph_replay_follows_new_lengths():
         d.block_table.copy_(torch.randperm(d.clean.shape[0])[: d.block_table.numel()].view_as(d.block_table))
         graph.replay()
         torch.cuda.synchronize()
-        check_decode_close(g_out, g_lse, *d.twin(), tol=DENSE)
+        check_decode_close(g_out, g_lse, *d.twin(), tol=tol_for(d))
 
 
 def test_strides_past_int32_offsets():
@@ -233,7 +248,7 @@ def test_strides_past_int32_offsets():
     lse = torch.empty(2 * big + 8, device=DEVICE).as_strided((1, 1, 3), (3 * big, 3 * big, big))
     out, got_lse, _ = d.call(lse=lse)
     want_out, want_lse = d.twin()
-    check_decode_close(out, got_lse, want_out, want_lse, tol=DENSE)
+    check_decode_close(out, got_lse, want_out, want_lse, tol=tol_for(d))
     assert torch.equal(got_lse.cpu(), lse.cpu())
 
 
@@ -249,7 +264,7 @@ def test_reference_backend_and_hopper_refusal():
     d = make_dense([25, 4], 2, 16, 576, causal=True, seed=9)
     out, lse, meta = d.call(backend="reference")
     assert meta.backend == "reference"
-    check_decode_close(out, lse, *d.twin(), tol=DENSE)
+    check_decode_close(out, lse, *d.twin(), tol=tol_for(d))
     out, lse, meta = d.call()
     assert meta.backend == "portable"
     with pytest.raises(ValueError, match="^backend: the 'hopper' backend cannot serve this call: it serves the sparse"):
@@ -264,13 +279,15 @@ def test_torch_op():
     out, lse = torch.ops.sparse_mla.dense_decode(
         d.q, d.k_cache, d.block_table, d.cache_seqlens, meta.tile_scheduler_metadata, 512**-0.5, causal=True
     )
-    check_decode_close(out, lse, *d.twin(), tol=DENSE)
+    check_decode_close(out, lse, *d.twin(), tol=tol_for(d))
     # the eager entry through the op (what a caller of the op with a filled scheduler object runs)
     from sparse_mla.decode.eager import decode
 
     out2, lse2 = decode(d.q, d.k_cache, None, meta, block_table=d.block_table, cache_seqlens=d.cache_seqlens,
                         is_fp8_kvcache=False, causal=True, through_op=True)  # fmt: skip
     assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    if ON_GPU:  # the op reads no values on the GPU (no host synchronisation inside a compiled graph)
+        return
     with pytest.raises(ValueError, match="^cache_seqlens: with causal=True"):
         torch.ops.sparse_mla.dense_decode(
             d.q, d.k_cache, d.block_table, d.cache_seqlens.clamp(max=1), meta.tile_scheduler_metadata, 0.1, causal=True
