@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PKG = "sparse_mla"
 
-OPERATIONS = ("decode", "prefill", "indexer", "kvcache")
+OPERATIONS = ("decode", "prefill", "indexer", "kvcache", "training")
 # rank of each top-level part of the package; a module may import modules of its rank or lower
 LAYERS: dict[str, int] = {
     "core": 0,

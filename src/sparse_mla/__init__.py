@@ -13,7 +13,7 @@ set after ``import sparse_mla`` (before the first kernel call).
 Layout (docs/architecture.md): one package per operation, each with the same stages —
 ``problem`` (validation) → ``backends`` (``backend=`` resolution) → ``kernels`` → ``reference``
 (the PyTorch twin) → ``op`` (``torch.library``): :mod:`.decode`, :mod:`.prefill`, :mod:`.indexer`,
-:mod:`.kvcache` (cache writes). Beneath them :mod:`.core` (environment, checks, backend protocol,
+:mod:`.kvcache` (cache writes), :mod:`.training` (the prefill's backward, the indexer's loss). Beneath them :mod:`.core` (environment, checks, backend protocol,
 launcher, FP8 and paging helpers) and :mod:`.formats` (cache layouts); above them :mod:`.api`
 (FlashMLA's entry points), :mod:`.distributed`, :mod:`.tools` (CLI) and :mod:`.testing`.
 """
@@ -41,6 +41,7 @@ from .kvcache.index_convert import abs_indices_to_kvcache_indices_triton
 from .kvcache.reference import abs_indices_to_kvcache_indices
 from .kvcache.store import quantize_and_store_kv
 from .prefill import op as _prefill_op  # noqa: F401
+from .training import indexer_kl_loss
 
 __version__ = "0.1.0"
 
@@ -66,4 +67,5 @@ __all__ = [
     "topk_kvcache_indices",
     "quantize_and_store_kv",
     "abs_indices_to_kvcache_indices_triton",
+    "indexer_kl_loss",
 ]

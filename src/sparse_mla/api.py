@@ -25,7 +25,9 @@ from .decode.eager import decode
 from .decode.plan import FlashMLASchedMeta, check_sched_meta, decode_workspace_bytes, get_mla_metadata
 from .decode.problem import decode_output_specs, refuse_sparse_extras
 from .prefill.backends import run_prefill
-from .prefill.problem import check_traced_prefill_args, prefill_output_specs, validate_sparse_prefill
+from .prefill.problem import FP8_CACHE_DTYPES, check_traced_prefill_args, prefill_output_specs, validate_sparse_prefill
+from .training import op as training_op  # noqa: F401  (the prefill's autograd formula)
+from .training.problem import refuse_fp8_gradients
 
 __all__ = [
     "FlashMLASchedMeta",
@@ -211,17 +213,43 @@ def flash_mla_sparse_fwd(
     under ``torch.compile`` becomes the operator ``torch.ops.sparse_mla.sparse_prefill``; a bad
     argument raises the same exception as an eager call when the compiled function runs.
 
+    Gradients (training): when grad mode is on and ``q``, ``kv`` or ``attn_sink`` requires grad,
+    ``out`` is differentiable with respect to them (eagerly and under ``torch.compile``);
+    ``max_logits`` and ``lse`` are not (marked non-differentiable). The backward
+    (``torch.ops.sparse_mla.sparse_prefill_backward``) saves only ``out`` and ``lse`` and
+    recomputes the probabilities from them, FlashAttention's way: ``D = rowsum(dO ∘ out)``, ``P =
+    exp(q·k·sm_scale − logaddexp(lse, sink))``, ``dS = P ∘ (dO·Vᵀ − D)``; ``dq = dS·K·sm_scale``
+    (``q``'s dtype), ``dkv`` the sum over every valid entry that selects a row of ``dSᵀ·q·sm_scale``
+    (all ``d_qk`` columns) plus ``Pᵀ·dO`` (the first 512), accumulated in a float32 buffer (fp32
+    atomics in the Triton kernel: race-free, rounding order not fixed) and returned in bf16;
+    ``d attn_sink = −Σ_t sigmoid(sink − lse)·D`` (fp32). Invalid indices, entries past
+    ``topk_length`` and queries with no valid key contribute nothing, and rows nobody attends get
+    0 (NaN there never reaches a gradient). The backward runs on the portable Triton kernel
+    (``backend`` ``"hopper"`` or ``"auto"``: the best available) or the twin (``"reference"``).
+    Only bf16 ``kv`` rows take gradients: the FP8 cache form raises ``ValueError`` then.
+
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype, shape, stride or device (the
-            message names it), or a backend that cannot run the call.
+            message names it), a backend that cannot run the call, or ``kv`` the FP8 paged cache
+            in a call that needs gradients.
     """
     if torch.compiler.is_compiling():  # one operator in the graph (its tensors validated when it runs)
         # q and the Python scalars are fixed at trace time: check them now (the operator's schema
         # would turn a bool or a 0-d tensor into a float); a failed check raises when the graph runs
         try:
             check_traced_prefill_args(q, sm_scale, d_v, backend)
+            if _wants_grad(q, kv, attn_sink):
+                refuse_fp8_gradients(isinstance(kv, torch.Tensor) and kv.dtype in FP8_CACHE_DTYPES)
         except (TypeError, ValueError) as e:
             return defer_argument_error(e, *prefill_output_specs(q, kv))
         return torch.ops.sparse_mla.sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, backend)
     p = validate_sparse_prefill(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    if _wants_grad(q, kv, attn_sink):  # through the operator, whose autograd formula is registered
+        refuse_fp8_gradients(p.kv_fp8)
+        return torch.ops.sparse_mla.sparse_prefill(q, kv, indices, p.sm_scale, p.d_v, attn_sink, topk_length, backend)
     return run_prefill(p, backend)
+
+
+def _wants_grad(*tensors: object) -> bool:
+    """Whether grad mode is on and one of ``tensors`` requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)

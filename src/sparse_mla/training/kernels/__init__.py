@@ -1,0 +1,1 @@
+"""Triton kernels of the training path (imported on first launch, never by ``import sparse_mla``)."""
