@@ -271,11 +271,12 @@ def test_backward_op_opcheck():
     assert all(v == "SUCCESS" for v in res.values()), res
 
 
-def test_torch_compile_forward_and_backward():
+@pytest.mark.parametrize("backend", [pytest.param("auto", marks=needs_kernels), "reference"])
+def test_torch_compile_forward_and_backward(backend):
     q, kv, idx, sink, _ = make_case(2, 2, 8, seed=16, sink=True)
 
     def step(q, kv, sink):
-        out, _, lse = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05, attn_sink=sink, backend="reference")
+        out, _, lse = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.05, attn_sink=sink, backend=backend)
         return (out.float() ** 2).sum() + lse.sum().detach()
 
     leaves = [x.clone().requires_grad_() for x in (q, kv, sink)]
@@ -283,7 +284,8 @@ def test_torch_compile_forward_and_backward():
     eager = [x.clone().requires_grad_() for x in (q, kv, sink)]
     step(*eager).backward()
     for a, b, name in zip(leaves, eager, ("q", "kv", "sink"), strict=True):
-        assert a.grad is not None and torch.equal(a.grad, b.grad), name
+        assert a.grad is not None and a.grad.abs().sum() > 0, name
+        assert torch.allclose(a.grad.float(), b.grad.float(), rtol=1e-2, atol=1e-5), name  # atomics: any order
     # the FP8 cache under compile: the library's ValueError when the graph runs
     cache = flash_mla.quantize_k_cache(random_latent_k(1, 64, 576, 0), "V32").to(DEVICE)
     f = lambda q: flash_mla.flash_mla_sparse_fwd(q, cache, idx, 0.05, backend="reference")[0]  # noqa: E731
