@@ -507,10 +507,15 @@ def test_compiled_call_raises_the_librarys_own_errors(dynamic):
     assert torch.equal(got[0], prefill(q, kv, idx, 0.1)[0])
 
 
-def test_outputs_never_require_grad():
+def test_only_out_requires_grad():
+    # out is differentiable (tests/training/ checks its gradients); max_logits and lse never are,
+    # and under no_grad nothing is
     q, kv, idx, _ = make_case(2, 16, 8, seed=16)
     for backend in ("reference",) + (("portable",) if KERNELS else ()):
-        outs = flash_mla.flash_mla_sparse_fwd(q.clone().requires_grad_(), kv, idx, 0.1, backend=backend)
+        out, max_logits, lse = flash_mla.flash_mla_sparse_fwd(q.clone().requires_grad_(), kv, idx, 0.1, backend=backend)
+        assert out.requires_grad and not max_logits.requires_grad and not lse.requires_grad
+        with torch.no_grad():
+            outs = flash_mla.flash_mla_sparse_fwd(q.clone().requires_grad_(), kv, idx, 0.1, backend=backend)
         assert not any(t.requires_grad for t in outs)
 
 
