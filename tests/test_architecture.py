@@ -5,7 +5,7 @@ functions (relative imports resolved). The rules:
 
 * no import cycle between modules;
 * arrows point down the layers: ``core`` < ``formats`` < the operations (``decode``, ``prefill``,
-  ``indexer``, ``kvcache``) < ``api``, ``library``, ``reference``, ``distributed`` < ``tools`` < the
+  ``indexer``, ``kvcache``, ``training``) < ``api``, ``library``, ``reference``, ``distributed`` < ``tools`` < the
   package's ``__init__`` and ``__main__``; a module imports its own layer or lower ones only;
   ``testing`` imports nothing from the package (tools and tests use it); ``from .. import
   __version__`` (metadata) may come from any layer;
