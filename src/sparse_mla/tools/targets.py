@@ -463,6 +463,20 @@ def _prefill(layout: str, fp8: bool, h_q: int = 64, s_q: int = 4, topk: int = 12
     return call
 
 
+def _prefill_backward(d_qk: int, h_q: int = 128, s_q: int = 4, topk: int = 128) -> Callable[[], Any]:
+    """The sparse prefill's gradients (bf16 ``kv`` rows): the forward, then its backward kernel."""
+
+    def call() -> Any:
+        from ..api import flash_mla_sparse_fwd
+
+        q = torch.randn(s_q, h_q, d_qk, generator=_gen(18)).to(torch.bfloat16).requires_grad_()
+        kv = torch.randn(256, 1, d_qk, generator=_gen(19)).to(torch.bfloat16).requires_grad_()
+        out = flash_mla_sparse_fwd(q, kv, _slots((s_q, 1), topk, 256, 20), d_qk**-0.5)[0]
+        return torch.autograd.grad(out, (q, kv), torch.ones_like(out))
+
+    return call
+
+
 def _mqa_logits(heads: int = 64, dim: int = 128, s_q: int = 64, s_kv: int = 512) -> Callable[[], Any]:
     def call() -> Any:
         from ..indexer import fp8_mqa_logits
@@ -546,6 +560,8 @@ def _cases() -> tuple[Case, ...]:
     for layout in ("V32", "MODEL1"):
         for fp8 in (False, True):
             out.append(Case("prefill", f"{layout} {'fp8 cache' if fp8 else 'bf16 kv'}", _prefill(layout, fp8)))
+    for d_qk in (576, 512):
+        out.append(Case("prefill backward", f"d{d_qk} h128 bf16 kv", _prefill_backward(d_qk)))
     out.append(Case("indexer logits", "H64 D128", _mqa_logits()))
     for next_n in (1, 2):
         out.append(Case("paged logits", f"H64 D128 next_n {next_n}", _paged_logits(next_n)))
@@ -574,6 +590,7 @@ QUICK_CASES: tuple[Case, ...] = tuple(
         "decode: dense fp8 d512",
         "prefill: V32 fp8 cache",
         "prefill: MODEL1 bf16 kv",
+        "prefill backward: d576 h128 bf16 kv",
         "indexer logits: H64 D128",
         "paged logits: H64 D128 next_n 1",
         "top-k: n 4096 (one program a row)",

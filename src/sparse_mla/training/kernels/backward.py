@@ -28,6 +28,12 @@ from ...formats.gather import dot_consts
 __all__ = ["launch", "BLOCK_N"]
 
 BLOCK_N = 32  # indices per step
+#: heads per program, tried in order until the variant fits the GPU's shared memory. A 64-head
+#: tile (q, dO and dq of 64 heads x 576 columns) wants ~300 KB at any BLOCK_N, more than any GPU
+#: has (sm_90a: 227 KB); 32 heads take 135 KB (sm_90a, sm_100a), 16 heads ~100 KB (sm_86/89/120).
+#: Each head tile gathers the rows again and adds its own share into dkv.
+_HEAD_TILES = (32, 16)
+_HEAD_TILE_FIT: dict = {}  # (device, constexprs, warps) -> the head tile that fit
 
 
 @triton.jit
@@ -193,10 +199,8 @@ def launch(
     dq = torch.empty(s_q, h_q, d_qk, dtype=torch.float32, device=dev)
     dkv = torch.zeros(kv.shape[0], d_qk, dtype=torch.float32, device=dev)
     lse2 = (lse_eff * LOG2E).contiguous()
-    block_h = small_head_tile(h_q)
     consts = dict(
         IS_V32=d_qk == 576,
-        BLOCK_H=block_h,
         BLOCK_N=BLOCK_N,
         HAS_TOPK_LEN=topk_length is not None,
         **dot_consts(device_target(dev)),
@@ -214,9 +218,19 @@ def launch(
         sm_scale * LOG2E,
         sm_scale,
     )
-    grid = (s_q, cdiv(h_q, block_h), 1)
-    launch_fitting(
-        _sparse_prefill_bwd_kernel, grid, args, consts, num_warps, num_stages, (dev, tuple(consts.items())),
-        shrink=("BLOCK_N", 16),
-    )  # fmt: skip
+    key = (dev, device_target(dev).name, tuple(consts.items()), num_warps)
+    tiles = [t for t in _HEAD_TILES if t <= max(small_head_tile(h_q), _HEAD_TILES[-1])]
+    tiles = tiles[tiles.index(_HEAD_TILE_FIT[key]) :] if key in _HEAD_TILE_FIT else tiles
+    for block_h in tiles:
+        try:
+            launch_fitting(
+                _sparse_prefill_bwd_kernel, (s_q, cdiv(h_q, block_h), 1), args, {**consts, "BLOCK_H": block_h},
+                num_warps, num_stages, (*key[:3], block_h), shrink=("BLOCK_N", 16),
+            )  # fmt: skip
+        except triton.runtime.errors.OutOfResources:
+            if block_h == tiles[-1]:
+                raise
+            continue
+        _HEAD_TILE_FIT[key] = block_h
+        break
     return dq, dkv
