@@ -147,15 +147,18 @@ def test_causal(lens, s_q, dtype):
     torch.testing.assert_close(lse[:, :, -1], lse_full[:, :, -1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("pbs", [64, 16, 61, 1])
+@pytest.mark.parametrize("pbs", [64, 16, 61, 1, 100, 128])
 def test_page_block_sizes(pbs):
-    check(make_dense([75, 1, 0], 1, 16, 576, pbs=pbs, seed=pbs))
+    """Pages below 64 tokens (a division per position) and of 64 or more (a step spans one block or
+    two: 100 and 128 cross page boundaries inside a 64-token step)."""
+    check(make_dense([275, 1, 0], 1, 16, 576, pbs=pbs, seed=pbs))
 
 
-@pytest.mark.parametrize("layout, causal", [("V32", False), ("MODEL1", True), ("V32", True)])
-def test_fp8_caches(layout, causal):
-    d = make_dense([70, 0, 9], 2, 16, 576 if layout == "V32" else 512, pbs=64 if causal else 61, fp8=True,
-                   causal=causal, seed=3)  # fmt: skip
+@pytest.mark.parametrize(
+    "layout, causal, pbs", [("V32", False, 61), ("MODEL1", True, 64), ("V32", True, 64), ("V32", False, 100), ("MODEL1", False, 128)]
+)  # fmt: skip
+def test_fp8_caches(layout, causal, pbs):
+    d = make_dense([170, 0, 9], 2, 16, 576 if layout == "V32" else 512, pbs=pbs, fp8=True, causal=causal, seed=3)
     check(d)
 
 

@@ -9,7 +9,6 @@ import triton
 import triton.language as tl
 
 from ..core.fp8 import e4m3_decode_exact
-from ..core.paging import table_slots
 from ..core.target import Target
 from .layouts import cache_bytes
 
@@ -21,6 +20,9 @@ __all__ = [
     "load_block_keys",
     "SLOTS_INDICES",
     "SLOTS_BLOCK_TABLE",
+    "SLOTS_BLOCK_TABLE_WIDE",
+    "block_table_slots",
+    "paged_block_offset",
     "paged_positions",
     "load_paged_rows",
     "cache_args",
@@ -47,6 +49,14 @@ SLOTS_INDICES = tl.constexpr(0)  # an indices tensor: sel = (ptr, stride_b, stri
 # positions pos0.. of request `req` through its block-table row (the dense decode):
 # sel = (block_table_ptr, stride_b, causal_back, stride_col, max_blocks * pbs, len_ptr), see paged_positions
 SLOTS_BLOCK_TABLE = tl.constexpr(1)
+# the same where page_block_size >= 64 (every BLOCK_N): a step's positions lie in one block or two
+# consecutive ones, found without a division per position
+SLOTS_BLOCK_TABLE_WIDE = tl.constexpr(2)
+
+
+def block_table_slots(page_block_size: int) -> int:
+    """The ``SLOTS`` value of a dense decode over pages of ``page_block_size`` tokens."""
+    return (SLOTS_BLOCK_TABLE_WIDE if page_block_size >= 64 else SLOTS_BLOCK_TABLE).value
 
 
 @triton.jit
@@ -84,13 +94,14 @@ def load_block_keys(
     SLOTS: tl.constexpr = SLOTS_INDICES,
 ):
     """Gather and dequantise BLOCK_N indexed tokens: (k_main [N, 512], k_tail [N, 64], valid [N]).
-    ``SLOTS_BLOCK_TABLE``: the tokens at positions ``pos0 ..`` of request ``req`` (the dense decode)."""
+    ``SLOTS_BLOCK_TABLE`` / ``SLOTS_BLOCK_TABLE_WIDE``: the tokens at positions ``pos0 ..`` of request
+    ``req`` (the dense decode)."""
     kv_ptr, stride_blk, stride_tok, num_tokens, pbs, pbs_log2 = cache
     idx_ptr, stride_ib, stride_is, stride_it, _topk, _len_ptr = sel
     offs_n = pos0 + tl.arange(0, BLOCK_N)
     in_list = offs_n < n_valid
-    if SLOTS == SLOTS_BLOCK_TABLE:
-        idx, in_list = paged_positions(sel, req, sq, offs_n, n_valid, pbs)
+    if SLOTS != SLOTS_INDICES:
+        idx, in_list = paged_positions(sel, req, sq, pos0, n_valid, pbs, BLOCK_N, SLOTS == SLOTS_BLOCK_TABLE_WIDE)
     else:
         # offsets in int64 (a view's strides can take them past 2^31); req and sq may be ints
         row = tl.zeros([], tl.int64) + req
@@ -145,17 +156,44 @@ def load_block_keys(
 
 
 @triton.jit
-def paged_positions(sel, req, sq, pos, n_valid, pbs):
-    """The cache slots of positions ``pos`` (int) of request ``req`` for query token ``sq``, through
-    the block table ``sel = (table_ptr, stride_b, causal_back, stride_col, max_blocks * pbs, len_ptr)``:
-    ``(slots int64, counted)``, a slot -1 where the position is not attended. ``n_valid`` is the
-    request's length; with ``causal_back = s_q - 1`` (0 without causal) query token ``sq`` attends
-    the positions below ``n_valid - (causal_back - sq)``."""
+def paged_block_offset(sel, req, sq, pos0, n_valid, pbs, BLOCK_N: tl.constexpr, WIDE: tl.constexpr):
+    """Where positions ``pos0 .. pos0 + BLOCK_N - 1`` of request ``req`` lie for query token ``sq``, through the
+    block table ``sel = (table_ptr, stride_b, causal_back, stride_col, max_blocks * pbs, len_ptr)``:
+    ``(block int64, offset int32, ok, counted)``. ``counted``: the position is attended (below
+    ``n_valid - (causal_back - sq)``, ``n_valid`` the request's length, ``causal_back = s_q - 1``
+    with causal, else 0); ``ok``: also its block lies inside the row, the entry is not negative and
+    the slot ``block * pbs + offset`` is below 2^31. Integer division is a long software sequence
+    on GPUs, and a [BLOCK_N] vector's is repeated in every thread that holds a row: ``WIDE``
+    (``pbs >= BLOCK_N``) divides ``pos0`` once (the positions then lie in one block or the next),
+    else each position is divided in int32 (positions and page sizes are below 2^31; a position that
+    wrapped past it is negative and not ``ok``)."""
     bt_ptr, stride_bb, back, stride_bc, positions, _len_ptr = sel
-    max_blocks = positions // pbs
+    offs = tl.arange(0, BLOCK_N)
+    pos = pos0.to(tl.int32) + offs
     counted = pos < n_valid - tl.maximum(back - sq, 0)
-    slots = table_slots(pos.to(tl.int64), bt_ptr + req.to(tl.int64) * stride_bb, stride_bc, max_blocks, pbs, counted)
-    return slots, counted
+    if WIDE:
+        lb0 = pos0.to(tl.int32) // pbs
+        off = pos0.to(tl.int32) - lb0 * pbs + offs
+        nxt = off >= pbs
+        lb = lb0 + nxt.to(tl.int32)
+        off = tl.where(nxt, off - pbs, off)
+    else:
+        lb = tl.where(pos >= 0, pos, 0) // pbs
+        off = pos - lb * pbs
+    ok = counted & (pos >= 0) & (lb < positions // pbs)
+    row = bt_ptr + req.to(tl.int64) * stride_bb
+    phys = tl.load(row + lb.to(tl.int64) * stride_bc, mask=ok, other=-1).to(tl.int64)
+    ok = ok & (phys >= 0) & (phys * pbs + off <= 2147483647)
+    return phys, off, ok, counted
+
+
+@triton.jit
+def paged_positions(sel, req, sq, pos0, n_valid, pbs, BLOCK_N: tl.constexpr, WIDE: tl.constexpr):
+    """The cache slots of positions ``pos0 ..`` (BLOCK_N of them) of request ``req`` for query token
+    ``sq`` through the block table (:func:`paged_block_offset`): ``(slots int64, counted)``, a slot
+    -1 where the position is not attended or its entry is outside the table's contract."""
+    phys, off, ok, counted = paged_block_offset(sel, req, sq, pos0, n_valid, pbs, BLOCK_N, WIDE)
+    return tl.where(ok, phys * pbs + off, -1), counted
 
 
 @triton.jit
@@ -169,19 +207,17 @@ def load_paged_rows(
     IS_V32: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """Gather BLOCK_N tokens of a bf16/fp16 paged cache ``[num_blocks, pbs, 1, d_qk]`` at positions
-    ``pos0 ..`` of request ``req`` through its block table (:func:`paged_positions`):
+    ``pos0 ..`` of request ``req`` through its block table (:func:`paged_block_offset`):
     ``(k_main [N, 512], k_tail [N, 64], valid [N])``; ``kv = (ptr, stride_blk, stride_tok,
     num_tokens, pbs, unused)`` in elements; ``IS_V32``: d_qk 576 (the tail is columns 512..575),
-    else 512. Tokens not attended are never loaded (0)."""
+    else 512; ``WIDE``: ``pbs >= BLOCK_N``. Tokens not attended are never loaded (0)."""
     kv_ptr, stride_blk, stride_tok, num_tokens, pbs, _pbs_log2 = kv
-    offs = pos0 + tl.arange(0, BLOCK_N)
-    slots, counted = paged_positions(sel, req, sq, offs, n_valid, pbs)
-    valid = counted & (slots >= 0) & (slots < num_tokens)
-    safe = tl.where(valid, slots, 0)
-    blk = safe // pbs
-    row = kv_ptr + blk * stride_blk + (safe - blk * pbs) * stride_tok
+    phys, off, ok, _counted = paged_block_offset(sel, req, sq, pos0, n_valid, pbs, BLOCK_N, WIDE)
+    valid = ok & (phys * pbs + off < num_tokens)
+    row = kv_ptr + tl.where(valid, phys, 0) * stride_blk + tl.where(valid, off, 0).to(tl.int64) * stride_tok
     k_main = tl.load(row[:, None] + tl.arange(0, 512)[None, :], mask=valid[:, None], other=0.0)
     if IS_V32:
         k_tail = tl.load(row[:, None] + 512 + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0.0)

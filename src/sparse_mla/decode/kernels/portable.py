@@ -5,7 +5,7 @@ launcher: any GPU Triton supports, and the CPU under Triton's interpreter. Twins
 
 The dense decode (``flash_mla_with_kvcache`` without ``indices``) is this kernel with request
 ``i``'s list being its positions ``0 .. cache_seqlens[i] - 1`` turned into cache slots through its
-block-table row (``SLOTS_BLOCK_TABLE``; ``causal``: query token ``j`` of ``s_q`` stops at position
+block-table row (``SLOTS_BLOCK_TABLE``, or ``SLOTS_BLOCK_TABLE_WIDE`` for pages of 64 tokens or more; ``causal``: query token ``j`` of ``s_q`` stops at position
 ``cache_seqlens[i] - s_q + j``), over an FP8 cache or bf16/fp16 rows (``KV_FP8`` False): the same
 schedule from the lengths, split rows and combine. Compiled, fp16 rows take fp16 dot operands.
 
@@ -43,13 +43,15 @@ from ...core.env import LOG2E, cdiv, interpreting, require_runnable
 from ...core.launcher import launch_fitting
 from ...core.target import device_target
 from ...formats.gather import (
-    SLOTS_BLOCK_TABLE,
+    SLOTS_BLOCK_TABLE_WIDE,
     SLOTS_INDICES,
+    block_table_slots,
     cache_args,
     dot_consts,
     gather_consts,
     load_block_keys,
     load_paged_rows,
+    paged_block_offset,
     paged_positions,
     row_cache_args,
 )
@@ -122,7 +124,7 @@ def _block_step(
     else bf16/fp16 rows at block-table positions (the dense decode)."""
     if not KV_FP8:
         k_main, k_tail, valid = load_paged_rows(
-            cache, sel, req, sq, blk_i * BLOCK_N, n_valid, IS_V32, BLOCK_N, DOT_DTYPE
+            cache, sel, req, sq, blk_i * BLOCK_N, n_valid, IS_V32, BLOCK_N, DOT_DTYPE, SLOTS == SLOTS_BLOCK_TABLE_WIDE
         )
     else:
         k_main, k_tail, valid = load_block_keys(
@@ -485,7 +487,9 @@ def launch(
     Returns:
         ``out [b, s_q, h_q, 512]`` in q's dtype, ``lse [b, h_q, s_q]`` fp32.
     """
-    require_runnable(_sparse_decode_kernel, p.q.device, final_out_lse, load_paged_rows, paged_positions)
+    require_runnable(
+        _sparse_decode_kernel, p.q.device, final_out_lse, load_paged_rows, paged_positions, paged_block_offset
+    )
     config = config or DEFAULT_CONFIG
     q = p.q
     b, s_q, h_q, _ = q.shape
@@ -532,7 +536,7 @@ def launch(
         HAS_EXTRA=has_extra,
         HAS_EXTRA_LEN=p.extra_topk_length is not None,
         HAS_SINK=p.attn_sink is not None,
-        SLOTS=(SLOTS_BLOCK_TABLE if p.is_dense else SLOTS_INDICES).value,
+        SLOTS=block_table_slots(p.k_cache.shape[1]) if p.is_dense else SLOTS_INDICES.value,
         KV_FP8=p.fp8_cache,
         **dot_consts(device_target(dev)),
     )
