@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: the whole test suite compiled on CUDA (real shapes in tests/decode/test_gpu.py, the Hopper
 # kernel in tests/decode/test_gluon.py, the serving path in tests/api/test_serving_gpu.py), then the decode
-# benchmark (BENCH_ARGS, e.g. --quick), the host time of eager calls, the prefill and indexer benchmarks, the store benchmark and
+# benchmark (BENCH_ARGS, e.g. --quick), the host time of eager calls, the prefill, dense decode (beside FlashMLA when
+# `import flash_mla` finds it, e.g. PYTHONPATH=.anchors/flashmla), training and indexer benchmarks, the store benchmark and
 # serve-sim at DeepSeek-V3.2 size (with random top-k positions, then with the indexer).
 # Run on the device from the repo root; logs and the benchmarks' JSON go to $OUT (or ./gpu_out).
 # Extra arguments go to pytest.
@@ -69,6 +70,8 @@ status=${PIPESTATUS[0]}
 python3 -m benchmarks.decode ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 python3 -m benchmarks.host --quick --json "$OUT/bench_host.json" 2>&1 | tee "$OUT/bench_host.log"
 python3 -m benchmarks.prefill --quick --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log"
+python3 -m benchmarks.dense --quick --json "$OUT/bench_dense.json" 2>&1 | tee "$OUT/bench_dense.log"
+python3 -m benchmarks.training --quick --json "$OUT/bench_training.json" 2>&1 | tee "$OUT/bench_training.log"
 python3 -m benchmarks.indexer --quick --json "$OUT/bench_indexer.json" 2>&1 | tee "$OUT/bench_indexer.log"
 python3 -m benchmarks.store --quick --json "$OUT/bench_store.json" > "$OUT/bench_store.log" 2>&1; tail -15 "$OUT/bench_store.log"
 python3 -m sparse_mla serve-sim --device cuda --no-progress --json "$OUT/serve_sim.json" 2>&1 | tee "$OUT/serve_sim.log" | tail -16

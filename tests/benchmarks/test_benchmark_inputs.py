@@ -49,3 +49,12 @@ def test_set_hopper_default(monkeypatch):
     set_hopper_default("half_stages=0,pv_regs=152,smem_carveout=-1")
     cfg = hopper.DEFAULT_CONFIG
     assert (cfg.half_stages, cfg.pv_regs, cfg.smem_carveout) == (False, 152, -1)
+
+
+def test_dense_rows_count_causal_pairs_and_filter():
+    from benchmarks import dense
+
+    assert dense.attended(dense.DenseShape(2, 3, 16, 10, causal=True)) == 8 + 9 + 10
+    assert dense.attended(dense.DenseShape(2, 3, 16, 10)) == 30
+    assert [s.ctx for s in harness.select(dense.DENSE_SHAPES, "h_q=16")] == [8192]
+    assert len(harness.select(dense.DENSE_SHAPES, "b=128;b=4")) == 4
