@@ -9,7 +9,7 @@ Rows (bf16 ``kv`` rows, d_qk 576, s_kv 32K, attn_sink on, random distinct top-k 
 - ``backward, shared keys``: every query token selects the same top-k rows, the worst case for
   the float32 atomics that accumulate ``dkv``;
 - ``indexer_kl_loss`` forward + backward (dense warm-up: causal over every preceding token) at
-  s 4096 / 8192, H 64, D 128, main attention h_q 128.
+  s 4096 / 8192, H 64, D 128, main attention h_q 128, at the default blocks and at larger ones.
 
 Times: median µs of ``triton.testing.do_bench`` (eager; L2 flushed between calls).
 
@@ -30,6 +30,9 @@ from . import harness
 ATTENTION_ROWS = [(4096, 128, 2048), (4096, 64, 2048)]
 #: sequence lengths of the indexer loss rows
 LOSS_ROWS = [4096, 8192]
+#: (block_q, block_kv) of the indexer loss: the defaults, and blocks 16x larger (fewer, larger
+#: tensor ops per step: 256 x 1024 x (128 + 64) fp32 scores, 200 MB, at a time)
+LOSS_BLOCKS = [(64, 256), (256, 1024)]
 S_KV = 32768
 
 
@@ -58,7 +61,7 @@ def attention_rows(s_q: int, h_q: int, topk: int, quick: bool) -> list[dict]:
     return rows
 
 
-def loss_row(s: int, quick: bool, heads: int = 64, dim: int = 128, h_q: int = 128) -> dict:
+def loss_row(s: int, blocks: tuple[int, int], quick: bool, heads: int = 64, dim: int = 128, h_q: int = 128) -> dict:
     g = torch.Generator(device="cuda").manual_seed(1)
     q_idx = torch.randn(s, heads, dim, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
     k_idx = torch.randn(s, dim, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
@@ -67,10 +70,11 @@ def loss_row(s: int, quick: bool, heads: int = 64, dim: int = 128, h_q: int = 12
     kv = (torch.randn(s, 1, 576, device="cuda", generator=g) / 4).to(torch.bfloat16)
 
     def step():
-        loss = flash_mla.indexer_kl_loss(q_idx, k_idx, w, q, kv, 576**-0.5)
+        loss = flash_mla.indexer_kl_loss(q_idx, k_idx, w, q, kv, 576**-0.5, block_q=blocks[0], block_kv=blocks[1])
         return torch.autograd.grad(loss, (q_idx, k_idx, w))
 
-    return dict(row="indexer_kl_loss fwd+bwd (dense)", s=s, H=heads, D=dim, h_q=h_q, us=harness.median_us(step, quick))
+    us = harness.median_us(step, quick)
+    return dict(row="indexer_kl_loss fwd+bwd (dense)", s=s, H=heads, D=dim, h_q=h_q, blocks=blocks, us=us)
 
 
 def main(argv=None) -> int:
@@ -89,10 +93,11 @@ def main(argv=None) -> int:
             print(f"{r['row']:>24}  s_q {s_q} h_q {h_q} topk {topk}: {r['us']:10.1f} us{ratio}", flush=True)
         torch.cuda.empty_cache()
     for s in LOSS_ROWS:
-        r = loss_row(s, args.quick)
-        rows.append(r)
-        print(f"{r['row']:>24}  s {s} H {r['H']} D {r['D']}: {r['us']:10.1f} us", flush=True)
-        torch.cuda.empty_cache()
+        for blocks in LOSS_BLOCKS:
+            r = loss_row(s, blocks, args.quick)
+            rows.append(r)
+            print(f"{r['row']:>24}  s {s} H {r['H']} D {r['D']} blocks {blocks}: {r['us']:10.1f} us", flush=True)
+            torch.cuda.empty_cache()
     print(f"wrote {harness.write_results('training', dict(rows=rows), args.json)}")
     return 0
 
