@@ -109,3 +109,8 @@ def test_int32_overflow_and_empty_batch(fn):
     big = torch.tensor([[2**62, 2**63 - 1, 2**60, (2**31 - 1) // 16]], dtype=torch.int64, device=dev)
     idx = torch.tensor([[[0, 16, 32, 48, 63]]], dtype=torch.int32, device=dev)
     assert conv(idx, big, np.int64(16)).tolist() == [[[-1, -1, -1, 2**31 - 16, 2**31 - 1]]]
+    # an int64 position past int32 (no request is that long) is no slot, even where a table wide
+    # enough has an entry for its block (1 MiB-token pages: position 2^31 + 3 is block 2048)
+    wide = torch.zeros(1, 2049, dtype=torch.int32, device=dev)
+    pos = torch.tensor([[[2**31 + 3, 2**31 - 1]]], dtype=torch.int64, device=dev)
+    assert conv(pos, wide, 2**20).tolist() == [[[-1, 2**20 - 1]]]

@@ -26,14 +26,19 @@ def slot_records(slot_ptr, stride_slot, n, num_slots, pbs, stride_blk, BLOCK_T: 
 def table_slots(t, bt_row, stride_col, n_log, pbs, mask):
     """Cache slots ``bt_row[t // pbs] * pbs + t % pbs`` (int64) of logical positions ``t`` (int64)
     through one block-table row of ``n_log`` entries (``stride_col`` apart); ``-1`` where ``t`` is
-    negative or masked off (``mask``), its block lies past the row, the entry is negative (an
-    unallocated block) or the slot is past int32. The int32 bound is tested before the product,
-    which an int64 entry near 2^63 would wrap into a valid-looking slot. Shared by this module's
-    kernel and the indexer's top-k (:func:`sparse_mla.indexer.topk.topk_kvcache_indices`)."""
-    nonneg = t >= 0
-    lb = tl.where(nonneg, t, 0) // pbs
-    ok = nonneg & (lb < n_log)
-    phys = tl.load(bt_row + lb * stride_col, mask=mask & ok, other=-1).to(tl.int64)
-    off = t - lb * pbs
-    ok = ok & (phys >= 0) & (phys <= (2147483647 - off) // pbs)
-    return tl.where(ok, phys * pbs + off, -1)
+    negative, past int32 (no int32 position or index is) or masked off (``mask``), its block lies
+    past the row, the entry is negative (an unallocated block) or the slot is past int32. The
+    int32 bound is tested on the entry before the product, which an int64 entry near 2^63 would
+    wrap into a valid-looking slot. Block and offset come from one int32 division (an int64 one
+    is a long software sequence on GPUs, repeated for every position a thread holds). Shared by
+    this module's kernel and the indexer's top-k
+    (:func:`sparse_mla.indexer.topk.topk_kvcache_indices`)."""
+    in_range = (t >= 0) & (t <= 2147483647)
+    t32 = tl.where(in_range, t, 0).to(tl.int32)
+    lb = t32 // pbs
+    ok = in_range & (lb < n_log)
+    phys = tl.load(bt_row + lb.to(tl.int64) * stride_col, mask=mask & ok, other=-1).to(tl.int64)
+    off = t32 - lb * pbs
+    ok = ok & (phys >= 0) & (phys <= 2147483647)
+    slot = phys * pbs + off  # below 2^62: no wrap once the entry is below 2^31
+    return tl.where(ok & (slot <= 2147483647), slot, -1)

@@ -40,7 +40,7 @@ def abs_indices_to_kvcache_indices_triton(
 
     Returns:
         ``[b, s_q, topk]`` int32 cache indices (``block * page_block_size + offset``), ``-1`` where
-        the position is negative, beyond the block table, or maps to a negative block or past int32.
+        the position is negative or past int32, beyond the block table, or maps to a negative block or past int32.
 
     Raises:
         TypeError / ValueError: wrong dtypes, shapes, devices, ``page_block_size``, ``out`` or ``backend``.

@@ -79,8 +79,8 @@ def abs_indices_to_kvcache_indices(
 
     Returns:
         ``[b, s_q, topk]`` int32 ``block_table[i, t // page_block_size] * page_block_size +
-        t % page_block_size``; ``-1`` where the position is ``-1``, outside the block table, or
-        maps to a negative block or to a slot past int32.
+        t % page_block_size``; ``-1`` where the position is ``-1`` or past int32, outside the
+        block table, or maps to a negative block or to a slot past int32.
 
     Raises:
         TypeError / ValueError: wrong dtypes, shapes or ``page_block_size``.
@@ -89,7 +89,7 @@ def abs_indices_to_kvcache_indices(
     t = abs_indices.long()
     lb = torch.div(t, page_block_size, rounding_mode="floor")
     nlog = block_table.shape[1]
-    ok = (t >= 0) & (lb < nlog)
+    ok = (t >= 0) & (t <= _INT32_MAX) & (lb < nlog)
     lb_safe = torch.where(ok, lb, torch.zeros_like(lb)).reshape(t.shape[0], t.shape[1] * t.shape[2])
     phys = torch.gather(block_table.long(), 1, lb_safe).view_as(t) if nlog > 0 else torch.zeros_like(t)
     off = t % page_block_size
