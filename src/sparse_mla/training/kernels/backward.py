@@ -22,7 +22,6 @@ import triton.language as tl
 from ...core.env import LOG2E, cdiv, require_runnable
 from ...core.launcher import launch_fitting
 from ...core.target import device_target
-from ...decode.scheduler import small_head_tile
 from ...formats.gather import dot_consts
 
 __all__ = ["launch", "BLOCK_N"]
@@ -33,7 +32,7 @@ BLOCK_N = 32  # indices per step
 #: has (sm_90a: 227 KB); 32 heads take 135 KB (sm_90a, sm_100a), 16 heads ~100 KB (sm_86/89/120).
 #: Each head tile gathers the rows again and adds its own share into dkv.
 _HEAD_TILES = (32, 16)
-_HEAD_TILE_FIT: dict = {}  # (device, constexprs, warps) -> the head tile that fit
+_HEAD_TILE_REFUSED: set = set()  # ((device, target, constexprs, warps), head tile) refused for shared memory
 
 
 @triton.jit
@@ -219,18 +218,17 @@ def launch(
         sm_scale,
     )
     key = (dev, device_target(dev).name, tuple(consts.items()), num_warps)
-    tiles = [t for t in _HEAD_TILES if t <= max(small_head_tile(h_q), _HEAD_TILES[-1])]
-    tiles = tiles[tiles.index(_HEAD_TILE_FIT[key]) :] if key in _HEAD_TILE_FIT else tiles
-    for block_h in tiles:
+    # (the smallest tile is never marked refused: its refusal is raised)
+    tiles = _HEAD_TILES if h_q > _HEAD_TILES[-1] else _HEAD_TILES[-1:]
+    for block_h in [t for t in tiles if (key, t) not in _HEAD_TILE_REFUSED]:
         try:
             launch_fitting(
                 _sparse_prefill_bwd_kernel, (s_q, cdiv(h_q, block_h), 1), args, {**consts, "BLOCK_H": block_h},
                 num_warps, num_stages, (*key[:3], block_h), shrink=("BLOCK_N", 16),
             )  # fmt: skip
+            break
         except triton.runtime.errors.OutOfResources:
             if block_h == tiles[-1]:
                 raise
-            continue
-        _HEAD_TILE_FIT[key] = block_h
-        break
+            _HEAD_TILE_REFUSED.add((key, block_h))
     return dq, dkv
