@@ -18,7 +18,22 @@ import torch
 
 from ..decode.reference import gather_kv, poisoned_rows, softmax_weights
 
-__all__ = ["gather_prefill_keys", "sparse_prefill_reference"]
+__all__ = ["gather_prefill_keys", "selected_keys", "sparse_prefill_reference"]
+
+
+def selected_keys(
+    indices: torch.Tensor, topk_length: torch.Tensor | None, s_kv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [s_q, topk] int64, valid [s_q, topk] bool)`` of ``indices [s_q, 1, topk]`` over
+    ``s_kv`` rows: an entry is valid when ``0 <= idx < s_kv`` and its position is below
+    ``topk_length`` (clamped to ``[0, topk]``); invalid entries get row 0 (to be masked, never
+    read unmasked)."""
+    idx = indices[:, 0, :].long()
+    valid = (idx >= 0) & (idx < s_kv)
+    if topk_length is not None:
+        pos = torch.arange(idx.shape[-1], device=idx.device)
+        valid &= pos.view(1, -1) < topk_length.to(idx.device).long().view(-1, 1)
+    return torch.where(valid, idx, torch.zeros_like(idx)), valid
 
 
 def gather_prefill_keys(
@@ -29,15 +44,11 @@ def gather_prefill_keys(
     if kv_fp8:  # the decode gather with b = s_q requests of one query token each
         k, valid = gather_kv(kv, indices, topk_length)
         return k[:, 0], valid[:, 0]
-    idx = indices[:, 0, :].long()
-    valid = (idx >= 0) & (idx < kv.shape[0])
-    if topk_length is not None:
-        pos = torch.arange(idx.shape[-1], device=idx.device)
-        valid &= pos.view(1, -1) < topk_length.to(idx.device).long().view(-1, 1)
+    rows, valid = selected_keys(indices, topk_length, kv.shape[0])
     if kv.shape[0] == 0:
-        return torch.zeros(*idx.shape, kv.shape[-1], dtype=torch.float32, device=idx.device), valid
-    rows = kv[:, 0, :][torch.where(valid, idx, torch.zeros_like(idx))].float()
-    return torch.where(valid.unsqueeze(-1), rows, torch.zeros((), device=rows.device)), valid
+        return torch.zeros(*rows.shape, kv.shape[-1], dtype=torch.float32, device=rows.device), valid
+    k = kv[:, 0, :][rows].float()
+    return torch.where(valid.unsqueeze(-1), k, torch.zeros((), device=k.device)), valid
 
 
 def max_logits_rule(s: torch.Tensor) -> torch.Tensor:

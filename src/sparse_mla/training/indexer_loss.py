@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..prefill.reference import selected_keys
 from .problem import IndexerLossProblem, validate_indexer_kl_loss
-from .reference import selected_keys
 
 __all__ = ["indexer_kl_loss"]
 

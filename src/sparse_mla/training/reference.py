@@ -22,26 +22,13 @@ from __future__ import annotations
 
 import torch
 
+from ..prefill.reference import selected_keys
+
 __all__ = [
-    "selected_keys",
     "sparse_attention_twin",
     "sparse_prefill_backward_reference",
     "indexer_kl_loss_reference",
 ]
-
-
-def selected_keys(
-    indices: torch.Tensor, topk_length: torch.Tensor | None, s_kv: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows [s_q, topk] int64, valid [s_q, topk] bool)`` of ``indices [s_q, 1, topk]``: an entry is
-    valid when ``0 <= idx < s_kv`` and its position is below ``topk_length`` (clamped to
-    ``[0, topk]``); invalid entries get row 0 (to be masked, never read unmasked)."""
-    idx = indices[:, 0, :].long()
-    valid = (idx >= 0) & (idx < s_kv)
-    if topk_length is not None:
-        pos = torch.arange(idx.shape[-1], device=idx.device)
-        valid &= pos.view(1, -1) < topk_length.to(idx.device).long().view(-1, 1)
-    return torch.where(valid, idx, torch.zeros_like(idx)), valid
 
 
 def _gather(rows_of: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
