@@ -11,8 +11,9 @@ from typing import Optional
 import torch
 
 from ..prefill import op as prefill_op  # noqa: F401  (defines sparse_mla::sparse_prefill first)
+from ..prefill.problem import FP8_CACHE_DTYPES
 from .backends import backward_backend_name, run_prefill_backward
-from .problem import FP8_DTYPES, refuse_fp8_gradients, validate_prefill_backward
+from .problem import refuse_fp8_gradients, validate_prefill_backward
 
 __all__ = ["sparse_prefill_backward", "OPS"]
 
@@ -58,7 +59,7 @@ def _setup_context(ctx, inputs, output) -> None:
     q, kv, indices, sm_scale, _d_v, attn_sink, topk_length, backend = inputs
     out, max_logits, lse = output
     ctx.mark_non_differentiable(max_logits, lse)
-    refuse_fp8_gradients(kv.dtype in FP8_DTYPES)
+    refuse_fp8_gradients(kv.dtype in FP8_CACHE_DTYPES)
     ctx.save_for_backward(q, kv, indices, out, lse, attn_sink, topk_length)
     ctx.sm_scale = sm_scale
     ctx.backend = backward_backend_name(backend)

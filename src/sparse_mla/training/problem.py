@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..core.checks import check_scale, check_tensor, shape_of, shown
-from ..prefill.problem import FP8_CACHE_DTYPES, PrefillProblem, validate_sparse_prefill
+from ..prefill.problem import PrefillProblem, validate_sparse_prefill
 
 __all__ = [
     "BackwardProblem",
@@ -19,13 +19,10 @@ __all__ = [
     "validate_prefill_backward",
     "validate_indexer_kl_loss",
     "FLOAT_DTYPES",
-    "FP8_DTYPES",
 ]
 
 #: floating dtypes the indexer loss takes for its inputs
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-#: dtypes of ``kv`` in its FP8 paged cache form (inference only)
-FP8_DTYPES = FP8_CACHE_DTYPES
 
 
 def refuse_fp8_gradients(kv_fp8: bool) -> None:
