@@ -42,9 +42,6 @@ class DenseShape:
     d_qk: int = 576
     d_v: int = 512
 
-    def matches(self, flt: dict) -> bool:
-        return all(str(getattr(self, k)) == v for k, v in flt.items())
-
 
 #: FlashMLA's dense decode rows (its `bench` shapes)
 DENSE_SHAPES = [

@@ -51,9 +51,6 @@ class DecodeShape:
     topk_len: bool = False  # pass topk_length = topk (full: the same work as without it)
     flashmla_heads: int | None = None  # FlashMLA's time is at this many heads (h_q padded to it)
 
-    def matches(self, flt: dict) -> bool:
-        return all(str(getattr(self, k)) == v for k, v in flt.items())
-
 
 DECODE_SHAPES = [
     DecodeShape(128, 128, 2, 2048, 576, 366.5),
@@ -117,9 +114,15 @@ def parse_filter(text: str | None) -> list[dict]:
     return [dict(kv.split("=") for kv in part.split(",") if kv) for part in text.split(";")]
 
 
-def select(shapes: list[DecodeShape], only: str | None) -> list[DecodeShape]:
+def matches(shape, flt: dict) -> bool:
+    """Whether every ``key=value`` of the filter ``flt`` holds for ``shape``'s fields (as text)."""
+    return all(str(getattr(shape, k)) == v for k, v in flt.items())
+
+
+def select(shapes: list, only: str | None) -> list:
+    """The rows of ``shapes`` (dataclasses) that a filter of ``only`` (:func:`parse_filter`) matches."""
     filters = parse_filter(only)
-    return [s for s in shapes if any(s.matches(f) for f in filters)]
+    return [s for s in shapes if any(matches(s, f) for f in filters)]
 
 
 # ---------------------------------------------------------------------------------- measurement

@@ -38,9 +38,6 @@ class PrefillShape:
     s_kv: int
     flashmla_us: float | None = None
 
-    def matches(self, flt: dict) -> bool:
-        return all(str(getattr(self, k)) == v for k, v in flt.items())
-
 
 PREFILL_SHAPES = [
     PrefillShape(4096, 128, 2048, 576, 8192, 3450.0),
@@ -115,14 +112,11 @@ def main(argv=None) -> int:
     if not harness.has_cuda("benchmarks.prefill"):
         return 2
     peak_tflops, _ = harness.ceilings()
-    filters = harness.parse_filter(args.only)
     rows = []
     print(
         f"{'s_q':>5} {'h_q':>4} {'topk':>5} {'d_qk':>4} {'s_kv':>7} {'kv':>5} {'us':>9} {'TFLOP/s':>8} {'%mma':>5} {'FlashMLA':>9} {'ratio':>6}"
     )
-    for s in PREFILL_SHAPES:
-        if not any(s.matches(f) for f in filters):
-            continue
+    for s in harness.select(PREFILL_SHAPES, args.only):
         for form in args.forms.split(","):
             r = bench_shape(s, form, peak_tflops, args.quick, args.backend)
             rows.append(r)
