@@ -22,6 +22,10 @@ GPU_TARGET = device_target(torch.device("cuda")) if torch.cuda.is_available() el
 ON_HOPPER = GPU_TARGET.hopper
 
 
+#: what FlashMLA's dense decode test writes into the block-table entries past a request's length
+GARBAGE_BLOCK = 2147480000
+
+
 def triton_interpret_enabled() -> bool:
     """``TRITON_INTERPRET=1`` at start-up: ``triton.jit`` reads it when a kernel is *decorated*,
     so setting it inside a test is too late for a module already imported."""

@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "Tolerance",
     "FLASHMLA_DECODE",
+    "FLASHMLA_DENSE_DECODE",
     "FLASHMLA_PREFILL",
     "Closeness",
     "decode_closeness",
@@ -42,6 +43,8 @@ class Tolerance:
 
 #: FlashMLA 1.0's decode test tolerances
 FLASHMLA_DECODE = Tolerance(out_abs=1e-3, out_rel=2.01 / 128, out_cos=5e-6, lse_abs=1e-6, lse_rel=8 / 65536)
+#: FlashMLA 1.0's dense decode test tolerances (its out bound is tighter than the sparse one's)
+FLASHMLA_DENSE_DECODE = Tolerance(out_abs=8e-4, out_rel=2.01 / 128, out_cos=5e-6, lse_abs=1e-6, lse_rel=8.01 / 65536)
 #: FlashMLA 1.0's sparse prefill test tolerances (lse ones also bound max_logits)
 FLASHMLA_PREFILL = Tolerance(out_abs=8e-4, out_rel=3.01 / 128, out_cos=7e-6, lse_abs=1e-6, lse_rel=2.01 / 65536)
 

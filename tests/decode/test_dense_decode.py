@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 from cache_bytes import poison_slots
-from helpers import random_latent_k
+from helpers import GARBAGE_BLOCK, random_latent_k
 
 import sparse_mla as flash_mla
 from sparse_mla.decode.backends import backend_support
 from sparse_mla.decode.problem import validate_dense_decode
 from sparse_mla.decode.reference import dense_decode_reference
+from sparse_mla.testing import FLASHMLA_DENSE_DECODE as DENSE
 from sparse_mla.testing import Tolerance, check_decode_close
 
 ON_GPU = torch.cuda.is_available()
@@ -33,9 +34,6 @@ pytestmark = pytest.mark.skipif(
     not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") != "1",
     reason="kernels need a GPU or TRITON_INTERPRET=1 (set before starting pytest)",
 )
-
-#: FlashMLA's dense decode test tolerances (its out bound is tighter than the sparse one's)
-DENSE = Tolerance(out_abs=8e-4, out_rel=2.01 / 128, out_cos=5e-6, lse_abs=1e-6, lse_rel=8.01 / 65536)
 
 
 def tol_for(d: Dense) -> Tolerance:
@@ -48,10 +46,6 @@ def tol_for(d: Dense) -> Tolerance:
     v = k[..., :512].float()
     vmax = float(v[v.isfinite()].abs().max()) if v.numel() else 0.0
     return dataclasses.replace(DENSE, out_abs=DENSE.out_abs + 2.0**-9 * vmax)
-
-
-#: what FlashMLA's dense test writes into the block-table entries past a request's length
-GARBAGE_BLOCK = 2147480000
 
 
 @dataclass

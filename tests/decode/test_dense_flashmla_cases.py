@@ -18,19 +18,18 @@ import random
 
 import pytest
 import torch
+from helpers import GARBAGE_BLOCK
 
 import sparse_mla as flash_mla
 from sparse_mla.decode.reference import dense_decode_reference
-from sparse_mla.testing import Tolerance, check_decode_close
+from sparse_mla.testing import FLASHMLA_DENSE_DECODE as DENSE
+from sparse_mla.testing import check_decode_close
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashMLA's dense cases need a GPU (contexts to 32K)"),
 ]
 
-#: FlashMLA's dense decode test tolerances
-DENSE = Tolerance(out_abs=8e-4, out_rel=2.01 / 128, out_cos=5e-6, lse_abs=1e-6, lse_rel=8.01 / 65536)
-GARBAGE_BLOCK = 2147480000
 
 CORRECTNESS = [
     (b, s_q, s_k, h_q, varlen, causal)
