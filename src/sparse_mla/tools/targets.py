@@ -404,7 +404,11 @@ def _slots(rows: tuple[int, ...], topk: int, n: int, seed: int) -> torch.Tensor:
     return torch.randint(-1, n, (*rows, topk), generator=_gen(seed), dtype=torch.int32)
 
 
-def _decode(layout: str, h_q: int, extra: bool, b: int = 2, topk: int = 128) -> Callable[[], Any]:
+def _decode(
+    layout: str, h_q: int, extra: bool, b: int = 2, topk: int = 128, extra_topk: int = 64, num_sms: int | None = None
+) -> Callable[[], Any]:
+    """The sparse decode; ``num_sms`` (None: the device's) sets the schedule's partitions."""
+
     def call() -> Any:
         from ..api import flash_mla_with_kvcache, get_mla_metadata
         from ..formats import get_layout
@@ -416,11 +420,11 @@ def _decode(layout: str, h_q: int, extra: bool, b: int = 2, topk: int = 128) -> 
         if extra:
             kw |= {
                 "extra_k_cache": _fp8_cache(layout, 2, 64),
-                "extra_indices_in_kvcache": _slots((b, 1), 64, 128, 4),
+                "extra_indices_in_kvcache": _slots((b, 1), extra_topk, 128, 4),
                 "topk_length": torch.full((b,), topk, dtype=torch.int32),
-                "extra_topk_length": torch.full((b,), 64, dtype=torch.int32),
+                "extra_topk_length": torch.full((b,), extra_topk, dtype=torch.int32),
             }
-        sched, _ = get_mla_metadata()
+        sched, _ = get_mla_metadata(num_sms=num_sms)
         return flash_mla_with_kvcache(q, cache, None, None, 512, sched, is_fp8_kvcache=True, **kw)
 
     return call
@@ -555,6 +559,8 @@ def _cases() -> tuple[Case, ...]:
         for h_q in (16, 64, 128):
             for extra in (False, True):
                 out.append(Case("decode", f"{layout} h{h_q}{' extra' if extra else ''}", _decode(layout, h_q, extra)))
+    # sizes of 1, which Triton folds into constants: one partition, one index slot per cache
+    out.append(Case("decode", "V32 h64 extra, sizes 1", _decode("V32", 64, True, topk=1, extra_topk=1, num_sms=1)))
     for d_qk, kv in ((576, "bf16"), (512, "fp16"), (576, "fp8"), (512, "fp8")):
         out.append(Case("decode", f"dense {kv} d{d_qk}", _dense(d_qk, kv)))
     for layout in ("V32", "MODEL1"):
@@ -585,6 +591,7 @@ QUICK_CASES: tuple[Case, ...] = tuple(
     if c.label
     in {
         "decode: V32 h64 extra",
+        "decode: V32 h64 extra, sizes 1",
         "decode: MODEL1 h16",
         "decode: dense bf16 d576",
         "decode: dense fp8 d512",

@@ -40,7 +40,9 @@ def _blocks(len_ptr, i, mask, full, cap, HAS_LEN: tl.constexpr, SB: tl.constexpr
         return tl.zeros_like(i).to(tl.int64) + full
 
 
-@triton.jit
+# the sizes are never specialised: Triton 3.6 folds an int argument equal to 1 into a constant,
+# and the conversion to LLVM then fails on this kernel for num_parts == 1
+@triton.jit(do_not_specialize=["b", "topk", "extra_topk", "num_parts"])
 def _schedule_kernel(
     len_ptr,
     extra_len_ptr,
