@@ -47,6 +47,21 @@ def pytest_addoption(parser):
         help="KEY=V,... HopperConfig fields made the Hopper kernel's default for this run (checking a "
         "variant on the GPU with the whole suite, e.g. half_stages=1)",
     )
+    parser.addoption(
+        "--all-flashmla-cases",
+        action="store_true",
+        help="run all 2016 cases of FlashMLA's dense decode matrix (GPU), not the default sample of 84",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """After each test on a GPU, the caching allocator's free blocks go back to the driver: the
+    suite runs in several processes on one GPU, and a process that held a large test's memory
+    would otherwise starve the others' large tests."""
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def pytest_configure(config):

@@ -7,7 +7,9 @@ FlashMLA's data: q and the cache ``randn / 10`` clamped to [-1, 1]; a shuffled b
 slot past a request's length; varlen lengths ``max(N(s_k, s_k / 2), s_q)``; in the corner cases
 about half the requests have length 0. Its matrix: b 1/2/6/64, s_q 1/2/4, s_k 20/140/4096,
 h_q 1/3/9/63/64/126/128, h_kv 1/2/3/8, varlen and causal on/off, bf16 and fp16; plus 128 requests
-of 4096 (some of length 0) and its performance shapes (128 requests, s_q 1/2, 4K-32K). The cache
+of 4096 (some of length 0) and its performance shapes (128 requests, s_q 1/2, 4K-32K). Of its
+2016-case matrix a sample of 84 runs by default (every value of every axis, every b × s_k × h_q);
+``--all-flashmla-cases`` runs all of them (about 6 minutes with 15 workers on an H100). The cache
 format has one latent head (``h_kv = 1``): the cases with ``h_kv > 1`` are refused with a
 ``ValueError`` naming ``k_cache`` (one test says so) and run here with ``h_kv = 1``.
 """
@@ -31,14 +33,23 @@ pytestmark = [
 ]
 
 
-CORRECTNESS = [
-    (b, s_q, s_k, h_q, varlen, causal)
+ALL_CASES = [
+    (b, s_q, s_k, h_q, varlen, causal, dtype)
     for b in (1, 2, 6, 64)
     for s_q in (1, 2, 4)
     for s_k in (20, 140, 4096)
     for h_q in (1, 3, 9, 63, 64, 126, 128)
     for varlen in (False, True)
     for causal in (False, True)
+    for dtype in (torch.bfloat16, torch.float16)
+]
+#: one case per (b, s_k, h_q), s_q / varlen / causal / dtype cycled through: every value of every
+#: axis and every pair of b, s_k and h_q, in 84 of the 2016 (``--all-flashmla-cases`` runs them all)
+SAMPLED_CASES = [
+    (b, (1, 2, 4)[i % 3], s_k, h_q, bool(i % 2), bool(i // 2 % 2), (torch.bfloat16, torch.float16)[i // 4 % 2])
+    for i, (b, s_k, h_q) in enumerate(
+        (b, s_k, h_q) for b in (1, 2, 6, 64) for s_k in (20, 140, 4096) for h_q in (1, 3, 9, 63, 64, 126, 128)
+    )
 ]
 CORNER = [(128, 2, 4096, h_q, True, causal) for h_q in (1, 3, 9, 63, 64, 126, 128) for causal in (False, True)]
 PERFORMANCE = [(128, s_q, s_k, 128, True, causal) for causal in (False, True) for s_q in (1, 2) for s_k in (4096, 8192, 16384, 32768)]  # fmt: skip
@@ -80,8 +91,13 @@ def run_case(b, s_q, s_k, h_q, varlen, causal, zero_lengths=False, dtype=torch.b
     check_decode_close(out, lse, ref_out, ref_lse, tol=DENSE)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("b, s_q, s_k, h_q, varlen, causal", CORRECTNESS)
+def pytest_generate_tests(metafunc):
+    if metafunc.function.__name__ == "test_correctness_cases":
+        cases = ALL_CASES if metafunc.config.getoption("--all-flashmla-cases") else SAMPLED_CASES
+        ids = ["-".join(str(v) for v in c[:6]) + ("-bf16" if c[6] is torch.bfloat16 else "-fp16") for c in cases]
+        metafunc.parametrize("b, s_q, s_k, h_q, varlen, causal, dtype", cases, ids=ids)
+
+
 def test_correctness_cases(b, s_q, s_k, h_q, varlen, causal, dtype):
     run_case(b, s_q, s_k, h_q, varlen, causal, dtype=dtype)
 
