@@ -263,6 +263,7 @@ def launch_fitting(
     num_stages: int,
     key: Any,
     shrink: tuple[str, int] | None = None,
+    options: dict | None = None,
 ) -> None:
     """:func:`launch` with ``NUM_STAGES = num_stages`` pipeline stages, or fewer when the variant
     does not fit in shared memory (seen: MODEL1 with an extra cache wants 246 KB at 2 stages on an
@@ -283,7 +284,7 @@ def launch_fitting(
         if shrink:
             run[shrink[0]] = tile
         try:
-            launch(kernel, grid, args, run, {"num_warps": num_warps})
+            launch(kernel, grid, args, run, {"num_warps": num_warps, **(options or {})})
             return
         except triton.runtime.errors.OutOfResources:
             if stages > 1:

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ...core.env import LOG2E, cdiv, interpreting, require_runnable
 from ...core.launcher import launch_fitting
-from ...core.target import device_target
+from ...core.target import device_target, pdl_enabled
 from ...formats.gather import (
     SLOTS_BLOCK_TABLE_WIDE,
     SLOTS_INDICES,
@@ -315,11 +315,16 @@ def _sparse_decode_kernel(
     NUM_STAGES: tl.constexpr,
     SLOTS: tl.constexpr,
     KV_FP8: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr = False,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / BLOCK_H))``. ``q = (ptr, stride_b, stride_s, stride_h)``;
     ``out = (ptr, stride_b, stride_s, stride_h)``, ``lse = (ptr, stride_b, stride_h, stride_s)``;
     ``o_acc = (ptr, stride_row, stride_s, stride_h)``, ``lse_acc = (ptr, stride_row, stride_s)``
-    (heads contiguous): the split rows of :func:`.workspace.split_accumulators`."""
+    (heads contiguous): the split rows of :func:`.workspace.split_accumulators`. ``WAIT_PRIOR``:
+    launched as the programmatic dependent of the kernel that made ``sched`` (the schedule made
+    from lengths), whose grid must complete before the table is read."""
+    if WAIT_PRIOR:
+        tl.extra.cuda.gdc_wait()
     q_ptr, stride_qb, stride_qs, stride_qh = q
     meta_ptr, nsplit_ptr, mainblk_ptr, nblk_ptr = sched
     out_ptr, stride_ob, stride_os, stride_oh = out
@@ -539,6 +544,8 @@ def launch(
         SLOTS=block_table_slots(p.k_cache.shape[1]) if p.is_dense else SLOTS_INDICES.value,
         KV_FP8=p.fp8_cache,
         **dot_consts(device_target(dev)),
+        # a table made on the device just before (from lengths): overlap this launch with that kernel
+        WAIT_PRIOR=table.dynamic and pdl_enabled(dev),
     )
     if not interp and q.dtype == torch.float16:
         consts["DOT_DTYPE"] = tl.float16  # fp16 rows of the dense decode (FP8 caches take bf16 queries)
@@ -551,6 +558,7 @@ def launch(
         config.num_stages,
         (dev, tuple(consts.items())),
         shrink=("BLOCK_N", 16),  # ~100 KB of shared memory (sm_86/89/120): 32 or 16 tokens a step
+        options={"launch_pdl": True} if consts["WAIT_PRIOR"] else None,
     )
     if table.any_split:
         combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)

@@ -10,7 +10,10 @@ of them fits the host scheduler's payload: the host's partition then (every batc
 common case with lengths given), with no combine work. Program 0 also writes the per-batch tensors
 (``main_blocks``, ``num_blocks``, the ``num_splits`` and ``acc_rows`` prefix sums). Launched on the
 decode's stream before the decode kernel, it is part of every call: the schedule always belongs to
-the lengths the step runs with, eagerly and in CUDA-graph replays.
+the lengths the step runs with, eagerly and in CUDA-graph replays. Where the target has
+programmatic dependent launch (sm_90+) the decode kernel is launched as its dependent: its
+programs are scheduled while this one runs, set up their shared memory, and wait
+(``griddepcontrol.wait``) for this grid to complete before they read the table.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import triton.language as tl
 
 from ...core.env import next_pow2, require_runnable
 from ...core.launcher import launch as launch_kernel
+from ...core.target import pdl_enabled
 from ..scheduler import FIXED_OVERHEAD_NUM_BLOCKS, TOPK_BLOCK_SIZE, ScheduleTable
 
 __all__ = ["schedule_fwd", "MAX_CHUNK"]
@@ -60,7 +64,10 @@ def _schedule_kernel(
     OVERHEAD: tl.constexpr,
     SB: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # the decode, launched as this grid's programmatic dependent, may start its prologue
+        tl.extra.cuda.gdc_launch_dependents()  # now; it waits for this grid to complete before reading the table
     p = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     main_full = (topk.to(tl.int64) + SB - 1) // SB
@@ -183,6 +190,7 @@ def schedule_fwd(
         OVERHEAD=FIXED_OVERHEAD_NUM_BLOCKS,
         SB=TOPK_BLOCK_SIZE,
         CHUNK=min(max(next_pow2(b), 16), MAX_CHUNK),
+        PDL=pdl_enabled(into.metadata.device),
     )
     launch_kernel(_schedule_kernel, (into.num_sm_parts, 1, 1), args, consts, {"num_warps": 4})
     return into

@@ -8,6 +8,7 @@ import torch
 from ....core.env import LOG2E
 from ....core.launcher import carveout_hint
 from ....core.launcher import launch as launch_kernel
+from ....core.target import pdl_enabled
 from ....formats import cache_bytes
 from ...problem import DecodeProblem, output_tensors
 from ...scheduler import TOPK_BLOCK_SIZE, ScheduleTable, hopper_head_tile
@@ -129,6 +130,8 @@ def launch(
         pw = config.narrow_producer_warps if narrow else config.producer_warps
         preg, maxnreg = config.producer_regs, config.maxnreg
     grid = (table.num_sm_parts, s_q, -(-h_q // heads))
+    # a table made on the device just before (from lengths): overlap this launch with that kernel
+    wait_prior = table.dynamic and pdl_enabled(q.device)
     args = (
         (q, *q.stride()[:3]),
         cache,
@@ -163,8 +166,9 @@ def launch(
         HALF_STAGES=resolve_half_stages(config.half_stages, heads, is_v32, kv_bf16, prefill),
         NARROW_ROWSUM=resolve_narrow_rowsum(config.narrow_rowsum, heads, is_v32),
         NARROW_STAGED=resolve_narrow_staged_out(config.narrow_staged_out, heads, kv_bf16, prefill),
+        WAIT_PRIOR=wait_prior,
     )
-    options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg}
+    options = {"num_warps": CONSUMER_WARPS, "maxnreg": maxnreg, **({"launch_pdl": True} if wait_prior else {})}
     # the carveout hint, set before the first launch too (a graph captured at the first call keeps it)
     launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options, carveout_hint(config.smem_carveout))
     if table.any_split:

@@ -48,6 +48,7 @@ def _sparse_decode_gluon_kernel(
     HALF_STAGES: gl.constexpr = False,
     NARROW_ROWSUM: gl.constexpr = False,
     NARROW_STAGED: gl.constexpr = False,
+    WAIT_PRIOR: gl.constexpr = False,
 ):
     """Grid ``(num_sm_parts, s_q, ceil(h_q / HEADS))``. The runtime arguments are flat tuples
     (:func:`.host.launch` builds them):
@@ -62,6 +63,10 @@ def _sparse_decode_gluon_kernel(
     * ``out = (ptr, stride b, stride s_q, stride head)``, ``lse = (ptr, stride b, stride head,
       stride s_q)``, the split partials ``o_acc = (ptr, stride row, stride s_q, stride head)`` and
       ``lse_acc = (ptr, stride row, stride s_q)``, and ``max_logits = (ptr, stride b, stride head)``.
+
+    ``WAIT_PRIOR``: launched as the programmatic dependent of the kernel that made ``sched`` (the
+    schedule made from lengths): every CTA waits for that grid to complete before its partitions
+    start.
 
     The tuples go to the partitions as they are (constexpr arguments must be written out in each
     partition's tuple, or passed as a kernel argument: a tuple held in a variable passes them as
@@ -97,6 +102,8 @@ def _sparse_decode_gluon_kernel(
         mbarrier.init(empty_bars.index(i), count=2 if HEADS == 64 else 1)
 
     ring = (k_smem, kr_smem, mask_smem, ready_bars, empty_bars)
+    if WAIT_PRIOR:  # a programmatic dependent of the schedule kernel: its table is read only after it completed
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     if HEADS == 64:
         row_smem = gl.allocate_shared_memory(
             gl.float32, [64], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
