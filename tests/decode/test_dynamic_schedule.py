@@ -155,7 +155,8 @@ def _close_to_oracle(p, out, lse):
     lse = lse.double().cpu()
     fin = torch.isfinite(want_lse)
     assert torch.equal(torch.isposinf(lse), torch.isposinf(want_lse))
-    assert (lse[fin] - want_lse[fin]).abs().max() < 1e-3
+    if fin.any():  # (every length 0: every lse is +inf, compared above)
+        assert (lse[fin] - want_lse[fin]).abs().max() < 1e-3
 
 
 LENGTH_STEPS = [([10, 192, 0], None), ([192, 192, 192], None), ([1, 130, 65], None)]
