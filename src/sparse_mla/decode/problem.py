@@ -13,6 +13,7 @@ lengths balances the partitions by context length.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ __all__ = [
     "check_traced_decode_args",
     "check_traced_dense_args",
     "decode_output_specs",
+    "dense_slots",
+    "dense_as_sparse",
     "MAX_H_Q",
 ]
 
@@ -543,6 +546,52 @@ def validate_dense_decode(
     if read_values and _values_readable(cache_seqlens):
         check_dense_values(p)
     return p
+
+
+def dense_slots(
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    num_blocks: int,
+    page_block_size: int,
+    s_q: int,
+    causal: bool,
+) -> torch.Tensor:
+    """The dense decode's positions as sparse-decode indices: ``[b, s_q, cap]`` int32 cache slots
+    (``cap = max_blocks * page_block_size``) on the block table's device, ``-1`` where a query
+    token attends nothing.
+
+    Position ``t`` of request ``i`` is slot ``block_table[i, t // page_block_size] *
+    page_block_size + t % page_block_size``; query token ``j`` attends ``t < cache_seqlens[i]``
+    (causal: ``t < cache_seqlens[i] - s_q + j + 1``), and only where the block-table entry lies in
+    ``[0, num_blocks)`` (the entries past a request's length may hold anything). Slots fit int32
+    (the cache holds fewer than 2^31 tokens: checked when the call is validated). Torch ops only:
+    graph-safe, no host synchronisation."""
+    b, max_blocks = block_table.shape
+    cap = max_blocks * page_block_size
+    dev = block_table.device
+    pos = torch.arange(cap, device=dev, dtype=torch.int64)
+    phys = block_table.long()[:, pos // page_block_size]  # [b, cap]
+    in_cache = (phys >= 0) & (phys < num_blocks)
+    limit = cache_seqlens.to(dev).long().clamp(0, cap).view(b, 1).expand(b, s_q)
+    if causal:
+        limit = limit - (s_q - 1) + torch.arange(s_q, device=dev).view(1, s_q)
+    valid = (pos.view(1, 1, cap) < limit.unsqueeze(-1)) & in_cache.unsqueeze(1)  # [b, s_q, cap]
+    slots = torch.where(in_cache, phys * page_block_size + pos % page_block_size, -1)
+    return torch.where(valid, slots.unsqueeze(1), -1).to(torch.int32)
+
+
+def dense_as_sparse(p: DecodeProblem) -> DecodeProblem:
+    """A dense decode problem as the sparse decode of the same result: indices from
+    :func:`dense_slots`, ``topk_length`` = ``cache_seqlens`` (the schedule's lengths), and a bf16
+    cache ``[num_blocks, page_block_size, 1, d_qk]`` as rows ``[num_blocks * page_block_size, 1,
+    d_qk]`` indexed by slot (its blocks must be ``page_block_size`` rows apart: a view, no copy).
+    What the sparse kernels then compute is the dense decode's out and lse: the same keys, none
+    twice, the rest skipped as invalid (out 0, lse +inf where nothing is attended)."""
+    assert p.is_dense
+    nb, pbs = p.k_cache.shape[0], p.k_cache.shape[1]
+    idx = dense_slots(p.block_table, p.topk_length, nb, pbs, p.q.shape[1], p.causal)
+    cache = p.k_cache if p.fp8_cache else p.k_cache.view(nb * pbs, 1, p.k_cache.shape[-1])
+    return dataclasses.replace(p, k_cache=cache, indices=idx, block_table=None, causal=False)
 
 
 def is_empty(p: DecodeProblem) -> bool:

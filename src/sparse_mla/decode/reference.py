@@ -25,6 +25,7 @@ import math
 import torch
 
 from ..formats import gather_dequant_tokens, layout_of_cache, num_cache_tokens
+from .problem import dense_slots
 from .scheduler import TOPK_BLOCK_SIZE, ScheduleTable
 
 __all__ = [
@@ -306,16 +307,10 @@ def gather_dense_kv(
     b, max_blocks = block_table.shape
     cap = max_blocks * pbs
     dev = k_cache.device
-    pos = torch.arange(cap, device=dev)
-    lens = cache_seqlens.to(dev).long().clamp(0, cap)
-    limit = lens.view(b, 1).expand(b, s_q)
-    if causal:
-        limit = limit - (s_q - 1) + torch.arange(s_q, device=dev).view(1, s_q)
-    phys = block_table.to(dev).long()[:, pos // pbs]  # [b, cap]
-    in_cache = (phys >= 0) & (phys < nb)
-    valid = (pos.view(1, 1, cap) < limit.unsqueeze(-1)) & in_cache.unsqueeze(1)  # [b, s_q, cap]
+    idx = dense_slots(block_table.to(dev), cache_seqlens, nb, pbs, s_q, causal).long()  # [b, s_q, cap]
+    valid = idx >= 0
     any_valid = valid.any(dim=1)  # [b, cap]
-    slots = torch.where(any_valid, phys * pbs + pos % pbs, torch.zeros_like(phys))
+    slots = idx.amax(dim=1).clamp(min=0)  # a position's slot, wherever some query token attends it
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.uint8)
     if b * cap == 0:
         k = torch.zeros(b, cap, layout_of_cache(k_cache).d_qk if fp8 else k_cache.shape[-1], device=dev)
