@@ -61,6 +61,16 @@ def check_partition(t, num_blocks: list[int], parts: int) -> None:
         assert acc[i + 1] - acc[i] == (len(pieces[i]) if len(pieces[i]) > 1 else 0)
     assert acc[-1] <= t.num_acc_rows == dynamic_acc_rows(b, parts)
     assert t.num_blocks_t.tolist() == num_blocks and t.dynamic
+    # the combine's list: the split batches in order, at most one per partition boundary
+    split = [i for i in range(b) if len(pieces[i]) > 1]
+    assert len(split) <= parts - 1 and t.split_list.shape == (parts + 1,)
+    assert split_batches(t) == split
+
+
+def split_batches(t) -> list[int]:
+    """The batches a table's ``split_list`` names (its count, then that many entries)."""
+    lst = t.split_list.cpu().tolist()
+    return lst[1 : 1 + lst[0]]
 
 
 @settings(max_examples=200, deadline=None)
@@ -106,13 +116,14 @@ def test_kernel_matches_twin(monkeypatch, chunk):
         main, total = length_block_counts(b, topk, tl, extra, etl, device="cpu")
         want = schedule_from_lengths(main, total, parts)
         into = dynamic_table(b, parts, torch.device(DEVICE))
-        for t in (into.metadata, into.num_splits, into.acc_rows, into.main_blocks, into.num_blocks_t):
-            t.fill_(-7)  # every element is written
+        for t in (into.metadata, into.num_splits, into.acc_rows, into.main_blocks, into.num_blocks_t, into.split_list):
+            t.fill_(-7)  # every element is written (the list: its count and that many entries)
         got = kernel.schedule_fwd(
             None if tl is None else tl.to(DEVICE), None if etl is None else etl.to(DEVICE), topk, extra, into
         )
         for name in ("metadata", "num_splits", "acc_rows", "main_blocks", "num_blocks_t"):
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (name, b, parts, topk, extra)
+        assert split_batches(got) == split_batches(want), (b, parts, topk, extra)
 
 
 @pytest.mark.parametrize(
@@ -137,6 +148,7 @@ def test_equal_lengths_take_the_host_partition(b, parts, whole):
         made = kernel.schedule_fwd(tl.to(DEVICE), None, 2048, 0, into)
         for name in ("metadata", "num_splits", "acc_rows", "main_blocks", "num_blocks_t"):
             assert torch.equal(getattr(made, name).cpu(), getattr(got, name)), name
+        assert split_batches(made) == split_batches(got)
 
 
 # ---------------------------------------------------------------- reuse while the lengths change

@@ -184,7 +184,8 @@ def test_combine_blocks_validated():
 
 # default tile, the small-batch tile, and the split tile (2 splits a step: several steps of its online merge)
 @pytest.mark.parametrize("blocks, steps", [(None, None), ((4, 64), None), ((4, 64), 2), (None, 4), ((4, 64), 32)])
-def test_combine_kernel_matches_reference(blocks, steps):
+@pytest.mark.parametrize("listed", [False, True], ids=["per-batch", "split-list"])
+def test_combine_kernel_matches_reference(blocks, steps, listed):
     from sparse_mla.decode.kernels.combine import combine_fwd
 
     g = torch.Generator().manual_seed(4)
@@ -215,6 +216,8 @@ def test_combine_kernel_matches_reference(blocks, steps):
                 sink.to(dev),
                 blocks=blocks,
                 splits_per_step=steps,
+                # [count, split batches...]; the entries past the count are never read
+                split_list=torch.tensor([3, 1, 2, 3, 2**30, -9], dtype=torch.int32, device=dev) if listed else None,
             )
         outs.append((out.cpu(), lse.cpu()))
     (ro, rl), (ko, kl) = outs

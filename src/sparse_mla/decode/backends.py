@@ -242,8 +242,8 @@ def run_decode(
 def dynamic_table(b: int, num_sm_parts: int, device: torch.device, max_pieces: int = 0) -> ScheduleTable:
     """An unfilled ``dynamic`` :class:`ScheduleTable` (one int32 allocation for all its tensors)."""
     fields = len(META_FIELDS)
-    buf = torch.empty(num_sm_parts * fields + 4 * b + 2, dtype=torch.int32, device=device)
-    meta, ns, acc, main, nb = torch.split(buf, [num_sm_parts * fields, b + 1, b + 1, b, b])
+    buf = torch.empty(num_sm_parts * (fields + 1) + 4 * b + 3, dtype=torch.int32, device=device)
+    meta, ns, acc, main, nb, listed = torch.split(buf, [num_sm_parts * fields, b + 1, b + 1, b, b, num_sm_parts + 1])
     return ScheduleTable(
         num_sm_parts=num_sm_parts,
         metadata=meta.view(num_sm_parts, fields),
@@ -256,6 +256,7 @@ def dynamic_table(b: int, num_sm_parts: int, device: torch.device, max_pieces: i
         num_acc_rows=dynamic_acc_rows(b, num_sm_parts),
         max_pieces=max_pieces,
         dynamic=True,
+        split_list=listed,
     )
 
 
@@ -269,6 +270,6 @@ def schedule_lengths(p: DecodeProblem, into: ScheduleTable, kernel: bool = True)
         return schedule_fwd(p.topk_length, p.extra_topk_length, p.topk, p.extra_topk, into)
     main, total = length_block_counts(p.shape[0], p.topk, p.topk_length, p.extra_topk, p.extra_topk_length, p.q.device)
     made = schedule_from_lengths(main, total, into.num_sm_parts)
-    for name in ("metadata", "num_splits", "acc_rows", "main_blocks", "num_blocks_t"):
+    for name in ("metadata", "num_splits", "acc_rows", "main_blocks", "num_blocks_t", "split_list"):
         getattr(into, name).copy_(getattr(made, name))
     return into

@@ -246,6 +246,8 @@ def _make_replay(launches: list, plan: DecodePlan, fields: dict, out: torch.Tens
             return None  # not what _replay allocates
     t = plan.table
     fixed = (t.metadata, t.num_splits, t.acc_rows, t.main_blocks, t.num_blocks_t, *plan.workspace)
+    if t.split_list is not None:
+        fixed += (t.split_list,)
     return launcher.make_replay(launches, _call_tensors(fields, out, lse), fixed)
 
 

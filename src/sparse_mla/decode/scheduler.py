@@ -159,6 +159,11 @@ class ScheduleTable:
         dynamic: made on the device from ``topk_length``/``extra_topk_length`` by every call
             (:func:`schedule_from_lengths`): ``num_blocks`` is then empty and ``payload`` 0 (known
             on the device only), and ``num_acc_rows`` is the bound :func:`dynamic_acc_rows`.
+        split_list: (``dynamic`` tables) ``[num_sm_parts + 1]`` int32: the number of split batches,
+            then those batches in order (entries past the count are not meaningful). Each split
+            batch holds one of the ``num_sm_parts - 1`` partition boundaries, so at most that many:
+            the combine runs ``num_sm_parts`` programs a head/column tile over this list, not one
+            per batch.
     """
 
     num_sm_parts: int
@@ -172,6 +177,7 @@ class ScheduleTable:
     num_acc_rows: int
     max_pieces: int = 0
     dynamic: bool = False
+    split_list: torch.Tensor | None = None
 
     @property
     def any_split(self) -> bool:
@@ -195,6 +201,7 @@ class ScheduleTable:
             self.num_acc_rows,
             self.max_pieces,
             self.dynamic,
+            None if self.split_list is None else self.split_list.to(device),
         )
 
 
@@ -360,6 +367,12 @@ def schedule_from_lengths(
     zero = torch.zeros(1, dtype=torch.int64, device=dev)
     num_splits = torch.cat([zero, torch.cumsum(pieces, 0)])
     acc_rows = torch.cat([zero, torch.cumsum(torch.where(pieces > 1, pieces, 0), 0)])
+    split = pieces > 1
+    # [count, split batches...]: batch i at 1 + its rank among the split ones (the rest to a dropped slot)
+    slot = torch.where(split, torch.cumsum(split, 0), num_sm_parts + 1).clamp(max=num_sm_parts + 1)
+    listed = torch.zeros(num_sm_parts + 2, dtype=torch.int64, device=dev)
+    listed.scatter_(0, slot, torch.arange(b, device=dev))
+    listed[0] = split.sum()
     i32 = torch.int32
     return ScheduleTable(
         num_sm_parts=num_sm_parts,
@@ -373,4 +386,5 @@ def schedule_from_lengths(
         num_acc_rows=dynamic_acc_rows(b, num_sm_parts),
         max_pieces=max_pieces,
         dynamic=True,
+        split_list=listed[: num_sm_parts + 1].to(i32),
     )

@@ -55,6 +55,7 @@ def _combine_kernel(
     stride_lsq,
     stride_lh_acc,
     nsplit_ptr,
+    list_ptr,
     sink_ptr,
     out_ptr,
     stride_ob,
@@ -72,14 +73,20 @@ def _combine_kernel(
     HAS_SINK: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     PDL: tl.constexpr = False,
+    LISTED: tl.constexpr = False,
 ):
-    """One program: one (batch, query token), BLOCK_H heads, BLOCK_D output columns.
+    """One program: one (batch, query token), BLOCK_H heads, BLOCK_D output columns; ``LISTED``:
+    the batch is entry ``program_id(0)`` of ``list_ptr`` (``[count, batches...]``), none past the count.
 
     ``BLOCK_S == 1``: the LSEs of 32 splits are read as one tile (max, then sum), then the partial
     outputs one split a step (a pipelined loop). ``BLOCK_S > 1`` (requests with many splits, at
     small batch): BLOCK_S splits at a time, their LSEs and partial outputs as two tiles whose loads
     are all in flight together, merged with an online max."""
     req = tl.program_id(0)
+    listed_here = True
+    if LISTED:  # program k merges the k-th split batch of the list, if there are that many
+        listed_here = req < tl.load(list_ptr)
+        req = tl.load(list_ptr + 1 + req, mask=listed_here, other=0)
     sq = tl.program_id(1) % s_q
     # out / lse offsets in int64: a view's strides can take them past 2^31 elements
     req64 = req.to(tl.int64)
@@ -88,6 +95,8 @@ def _combine_kernel(
     db = tl.program_id(2)
     start = tl.load(nsplit_ptr + req)
     n = tl.load(nsplit_ptr + req + 1) - start
+    if LISTED:
+        n = tl.where(listed_here, n, 0)
     if PDL:  # a programmatic dependent of the decode: its partials are read only after it completed
         tl.extra.cuda.gdc_wait()
     if n > 1:
@@ -213,6 +222,7 @@ def combine_fwd(
     max_pieces: int | None = None,
     splits_per_step: int | None = None,
     pdl: bool = False,
+    split_list: torch.Tensor | None = None,
 ) -> None:
     """Merge split partial results into ``out``/``lse`` in place (twin: ``reference.combine_reference``).
 
@@ -239,6 +249,10 @@ def combine_fwd(
             must write the partials; the Hopper decode, which signals after its stores): the
             programs wait for it to complete before reading anything it wrote. Only where
             :func:`sparse_mla.core.target.pdl_enabled` holds (sm_90+, not the interpreter).
+        split_list: ``[k + 1]`` int32 contiguous, ``[count, batches...]``: the split batches
+            (:attr:`sparse_mla.decode.scheduler.ScheduleTable.split_list`, at most ``k``), on
+            the device; the grid then has ``k`` program rows instead of ``b``, most of which,
+            with no list, would find their batch unsplit and exit. None: one row per batch.
     """
     b, s_q, h_q, d_v = out.shape
     if not out.is_cuda and not interpreting():
@@ -254,14 +268,16 @@ def combine_fwd(
                 f"blocks: expected (BLOCK_H, BLOCK_D), powers of two >= 1 with BLOCK_D dividing "
                 f"d_v={d_v}, got {blocks!r}"
             )
-    block_h, block_d, block_s = _combine_blocks(b, s_q, h_q, d_v, out.device, max_pieces, blocks)
+    # one program row per batch, or per entry of the list of split batches
+    rows = b if split_list is None else split_list.shape[0] - 1
+    block_h, block_d, block_s = _combine_blocks(rows, s_q, h_q, d_v, out.device, max_pieces, blocks)
     if splits_per_step is not None:
         if not _is_pow2(splits_per_step):
             raise ValueError(f"splits_per_step: expected a power of two >= 1, got {splits_per_step!r}")
         block_s = splits_per_step
     if d_v % block_d:
         raise ValueError(f"out: d_v must be a multiple of {block_d}, got {d_v}")
-    grid = (b, s_q * cdiv(h_q, block_h), d_v // block_d)
+    grid = (rows, s_q * cdiv(h_q, block_h), d_v // block_d)
     args = (
         o_accum,
         o_accum.stride(0),
@@ -273,6 +289,7 @@ def combine_fwd(
         lse_accum.stride(2),
         # read as dense arrays: views (strided, expanded, offset) become copies, on the device
         acc_rows.contiguous(),
+        split_list if split_list is not None else acc_rows,
         attn_sink.contiguous() if attn_sink is not None else lse_accum,
         out,
         out.stride(0),
@@ -293,6 +310,7 @@ def combine_fwd(
         HAS_SINK=attn_sink is not None,
         FOR_LOOP=not interpreting(),
         PDL=pdl,
+        LISTED=split_list is not None,
     )
     # launch_pdl only where PDL is on: AMD's backend has no such launch option (it rejects the name)
     launch_kernel(_combine_kernel, grid, args, consts, {"num_warps": 4, **({"launch_pdl": True} if pdl else {})})

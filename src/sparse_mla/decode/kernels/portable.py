@@ -561,5 +561,14 @@ def launch(
         options={"launch_pdl": True} if consts["WAIT_PRIOR"] else None,
     )
     if table.any_split:
-        combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces)
+        combine_fwd(
+            o_acc,
+            l_acc,
+            table.acc_rows,
+            out,
+            lse,
+            p.attn_sink,
+            max_pieces=table.max_pieces,
+            split_list=table.split_list,
+        )
     return finish_outputs(p, out, lse)

@@ -8,7 +8,8 @@ partition's row depends on nothing but the lengths. The partitions are equal spa
 fixed overhead per batch), except that batches of one cost are never split when a whole number
 of them fits the host scheduler's payload: the host's partition then (every batch at ``topk``, the
 common case with lengths given), with no combine work. Program 0 also writes the per-batch tensors
-(``main_blocks``, ``num_blocks``, the ``num_splits`` and ``acc_rows`` prefix sums). Launched on the
+(``main_blocks``, ``num_blocks``, the ``num_splits`` and ``acc_rows`` prefix sums, the list of
+split batches). Launched on the
 decode's stream before the decode kernel, it is part of every call: the schedule always belongs to
 the lengths the step runs with, eagerly and in CUDA-graph replays. Where the target has
 programmatic dependent launch (sm_90+) the decode kernel is launched as its dependent: its
@@ -55,6 +56,7 @@ def _schedule_kernel(
     acc_ptr,
     main_ptr,
     nblk_ptr,
+    list_ptr,
     b,
     topk,
     extra_topk,
@@ -104,6 +106,7 @@ def _schedule_kernel(
     carry = tl.zeros([], tl.int64)  # cost of the batches before the chunk
     splits = tl.zeros([], tl.int64)
     rows = tl.zeros([], tl.int64)
+    listed = tl.zeros([], tl.int64)  # split batches listed so far
     c0 = 0
     while c0 < b:
         i = c0 + offs
@@ -129,13 +132,18 @@ def _schedule_kernel(
             tl.store(nblk_ptr + i, n.to(tl.int32), mask=m)
             tl.store(nsplit_ptr + 1 + i, (splits + tl.cumsum(pieces, 0)).to(tl.int32), mask=m)
             tl.store(acc_ptr + 1 + i, (rows + tl.cumsum(acc, 0)).to(tl.int32), mask=m)
+            is_split = (pieces > 1).to(tl.int64)
+            rank = listed + tl.cumsum(is_split, 0)  # 1-based among the split batches
+            tl.store(list_ptr + rank, i.to(tl.int32), mask=(is_split > 0) & (rank <= num_parts))
             splits += tl.sum(pieces)
             rows += tl.sum(acc)
+            listed += tl.sum(is_split)
         carry = tl.max(c_next, 0)
         c0 += CHUNK
     if p == 0:
         tl.store(nsplit_ptr, 0)
         tl.store(acc_ptr, 0)
+        tl.store(list_ptr, listed.to(tl.int32))
     busy = (first <= last) & (start < total)
     begin_block = tl.maximum(start - c_first - OVERHEAD, 0)
     end_block = tl.minimum(n_last, end - c_last - OVERHEAD)
@@ -165,8 +173,8 @@ def schedule_fwd(
         topk_length: ``[b]`` int32 (contiguous) or None (every batch has ``topk``).
         extra_topk_length: ``[b]`` int32 (contiguous) or None (every batch has ``extra_topk``).
         topk, extra_topk: index slots of the main and extra cache (``extra_topk`` 0: no extra cache).
-        into: the table whose ``metadata``, ``num_splits``, ``acc_rows``, ``main_blocks`` and
-            ``num_blocks_t`` are written (:func:`sparse_mla.decode.plan.dynamic_table`).
+        into: the table whose ``metadata``, ``num_splits``, ``acc_rows``, ``main_blocks``,
+            ``num_blocks_t`` and ``split_list`` are written (:func:`sparse_mla.decode.plan.dynamic_table`).
     """
     require_runnable(_schedule_kernel, into.metadata.device, _blocks)
     b = into.main_blocks.shape[0]
@@ -179,6 +187,7 @@ def schedule_fwd(
         into.acc_rows,
         into.main_blocks,
         into.num_blocks_t,
+        into.split_list,
         b,
         topk,
         extra_topk,

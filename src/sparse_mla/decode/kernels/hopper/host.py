@@ -172,5 +172,8 @@ def launch(
     # the carveout hint, set before the first launch too (a graph captured at the first call keeps it)
     launch_kernel(_sparse_decode_gluon_kernel, grid, args, consts, options, carveout_hint(config.smem_carveout))
     if table.any_split:
-        combine_fwd(o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces, pdl=True)
+        combine_fwd(
+            o_acc, l_acc, table.acc_rows, out, lse, p.attn_sink, max_pieces=table.max_pieces, pdl=True,
+            split_list=table.split_list,
+        )  # fmt: skip
     return out, lse
