@@ -143,13 +143,15 @@ def test_sparse_stage_with_the_forwards_lse():
     [
         (dict(q_idx=torch.zeros(9, 3, 8, dtype=torch.int32)), TypeError, "q_idx: expected dtype"),
         (dict(k_idx=torch.zeros(13, 5, dtype=F64)), ValueError, "k_idx: expected shape"),
-        (dict(weights=torch.zeros(9, 2, dtype=F64)), ValueError, "weights: expected shape"),
-        (dict(kv=torch.zeros(12, 1, 16, dtype=F64)), ValueError, "kv: expected shape"),
+        (dict(weights=torch.zeros(9, 2, dtype=F64)), ValueError, r"weights: expected shape .* \(s_q and H of q_idx\)"),
+        (dict(kv=torch.zeros(12, 1, 16, dtype=F64)), ValueError, r"kv: expected shape .* \(s_kv of k_idx, d_qk of q\)"),
         (dict(sm_scale=float("nan")), ValueError, "sm_scale"),
         (dict(indices=torch.zeros(9, 7, dtype=torch.int32)), ValueError, "indices: expected a 3-D"),
         (dict(indices=None, topk_length=torch.zeros(9, dtype=torch.int32)), ValueError, "topk_length: only"),
         (dict(lse=torch.zeros(9, 3)), ValueError, "lse: expected shape"),
         (dict(block_kv=0), ValueError, "block_kv"),
+        (dict(block_q=1.5), TypeError, "block_q: expected an int"),
+        (dict(block_kv="64"), TypeError, "block_kv: expected an int"),
     ],
 )
 def test_argument_errors(change, error, match):

@@ -171,7 +171,7 @@ def _hopper_dense_unsupported(p: DecodeProblem) -> str | None:
     if os.environ.get("SPARSE_MLA_HOPPER_DENSE", "0") != "1":
         return (
             "serves the dense decode only where SPARSE_MLA_HOPPER_DENSE=1 (not yet measured on a GPU); "
-            "the dense decode runs on the 'portable' backend"
+            "the 'portable' backend serves it (and 'reference' anywhere)"
         )
     if p.q.dtype != torch.bfloat16:
         return f"serves bf16 queries only (got {p.q.dtype}); the 'portable' backend serves fp16"

@@ -55,10 +55,14 @@ class BackwardProblem:
         return self.fwd.device
 
 
-def _check_like(x: Any, name: str, shape: tuple[int, ...], dtypes: tuple, dev: torch.device) -> torch.Tensor:
+def _check_like(
+    x: Any, name: str, shape: tuple[int, ...], dtypes: tuple, dev: torch.device, source: str = ""
+) -> torch.Tensor:
+    """``x`` of ``shape`` (``source``: where those sizes come from, said when they differ)."""
     check_tensor(x, name, dtypes, len(shape), dev)
     if tuple(x.shape) != shape:
-        raise ValueError(f"{name}: expected shape {list(shape)}, got {shape_of(x)}")
+        said = f" ({source})" if source else ""
+        raise ValueError(f"{name}: expected shape {list(shape)}{said}, got {shape_of(x)}")
     return x
 
 
@@ -111,7 +115,9 @@ class IndexerLossProblem:
 
 
 def _check_block(x: Any, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name}: expected an int >= 1, got {shown(x)!r}")
+    if x < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {shown(x)!r}")
     return int(x)
 
@@ -123,11 +129,11 @@ def validate_indexer_kl_loss(
     q: Any,
     kv: Any,
     sm_scale: Any,
-    indices: Any = None,
-    topk_length: Any = None,
-    lse: Any = None,
-    block_q: Any = 64,
-    block_kv: Any = 256,
+    indices: Any,
+    topk_length: Any,
+    lse: Any,
+    block_q: Any,
+    block_kv: Any,
 ) -> IndexerLossProblem:
     """Check an :func:`~sparse_mla.training.indexer_kl_loss` call.
 
@@ -144,12 +150,12 @@ def validate_indexer_kl_loss(
     s_kv = k_idx.shape[0]
     if k_idx.shape[1] != d:
         raise ValueError(f"k_idx: expected shape [s_kv, D={d}], got {shape_of(k_idx)}")
-    _check_like(weights, "weights", (s_q, n_heads), FLOAT_DTYPES, dev)
+    _check_like(weights, "weights", (s_q, n_heads), FLOAT_DTYPES, dev, "s_q and H of q_idx")
     check_tensor(q, "q", FLOAT_DTYPES, 3, dev, "q_idx")
     if q.shape[0] != s_q or q.shape[1] < 1 or q.shape[2] < 1:
-        raise ValueError(f"q: expected shape [s_q={s_q}, h_q >= 1, d_qk >= 1], got {shape_of(q)}")
+        raise ValueError(f"q: expected shape [s_q={s_q} (of q_idx), h_q >= 1, d_qk >= 1], got {shape_of(q)}")
     h_q, d_qk = q.shape[1], q.shape[2]
-    _check_like(kv, "kv", (s_kv, 1, d_qk), FLOAT_DTYPES, dev)
+    _check_like(kv, "kv", (s_kv, 1, d_qk), FLOAT_DTYPES, dev, "s_kv of k_idx, d_qk of q")
     scale = check_scale(sm_scale, "sm_scale")
     if indices is not None:
         check_tensor(indices, "indices", (torch.int32,), 3, dev, "q_idx")
