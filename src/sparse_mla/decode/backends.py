@@ -242,8 +242,9 @@ def run_decode(
 def dynamic_table(b: int, num_sm_parts: int, device: torch.device, max_pieces: int = 0) -> ScheduleTable:
     """An unfilled ``dynamic`` :class:`ScheduleTable` (one int32 allocation for all its tensors)."""
     fields = len(META_FIELDS)
-    buf = torch.empty(num_sm_parts * (fields + 1) + 4 * b + 3, dtype=torch.int32, device=device)
-    meta, ns, acc, main, nb, listed = torch.split(buf, [num_sm_parts * fields, b + 1, b + 1, b, b, num_sm_parts + 1])
+    sizes = [num_sm_parts * fields, b + 1, b + 1, b, b, num_sm_parts + 1]
+    buf = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+    meta, ns, acc, main, nb, listed = torch.split(buf, sizes)
     return ScheduleTable(
         num_sm_parts=num_sm_parts,
         metadata=meta.view(num_sm_parts, fields),

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.target import pdl_enabled
+
 __all__ = [
     "TOPK_BLOCK_SIZE",
     "FIXED_OVERHEAD_NUM_BLOCKS",
@@ -178,6 +180,12 @@ class ScheduleTable:
     max_pieces: int = 0
     dynamic: bool = False
     split_list: torch.Tensor | None = None
+
+    def decode_waits_for_it(self, device: torch.device) -> bool:
+        """Whether the decode kernel is launched as the programmatic dependent of the kernel that
+        made this table just before (a ``dynamic`` table, where the target has PDL): it then waits
+        (``griddepcontrol.wait``) for that grid before reading the table."""
+        return self.dynamic and pdl_enabled(device)
 
     @property
     def any_split(self) -> bool:

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ...core.env import LOG2E, cdiv, interpreting, require_runnable
 from ...core.launcher import launch_fitting
-from ...core.target import device_target, pdl_enabled
+from ...core.target import device_target
 from ...formats.gather import (
     SLOTS_BLOCK_TABLE_WIDE,
     SLOTS_INDICES,
@@ -544,8 +544,7 @@ def launch(
         SLOTS=block_table_slots(p.k_cache.shape[1]) if p.is_dense else SLOTS_INDICES.value,
         KV_FP8=p.fp8_cache,
         **dot_consts(device_target(dev)),
-        # a table made on the device just before (from lengths): overlap this launch with that kernel
-        WAIT_PRIOR=table.dynamic and pdl_enabled(dev),
+        WAIT_PRIOR=table.decode_waits_for_it(dev),  # overlap this launch with the schedule kernel
     )
     if not interp and q.dtype == torch.float16:
         consts["DOT_DTYPE"] = tl.float16  # fp16 rows of the dense decode (FP8 caches take bf16 queries)

@@ -8,7 +8,6 @@ import torch
 from ....core.env import LOG2E
 from ....core.launcher import carveout_hint
 from ....core.launcher import launch as launch_kernel
-from ....core.target import pdl_enabled
 from ....formats import cache_bytes
 from ...problem import DecodeProblem, output_tensors
 from ...scheduler import TOPK_BLOCK_SIZE, ScheduleTable, hopper_head_tile
@@ -130,8 +129,7 @@ def launch(
         pw = config.narrow_producer_warps if narrow else config.producer_warps
         preg, maxnreg = config.producer_regs, config.maxnreg
     grid = (table.num_sm_parts, s_q, -(-h_q // heads))
-    # a table made on the device just before (from lengths): overlap this launch with that kernel
-    wait_prior = table.dynamic and pdl_enabled(q.device)
+    wait_prior = table.decode_waits_for_it(q.device)  # overlap this launch with the schedule kernel
     args = (
         (q, *q.stride()[:3]),
         cache,
