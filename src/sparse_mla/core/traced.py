@@ -57,6 +57,14 @@ if hasattr(torch.fx.node, "has_side_effect"):
     torch.fx.node.has_side_effect(torch.ops.sparse_mla.argument_error.default)
 
 
+def _exporting() -> bool:
+    """``torch.compiler.is_exporting()``, read from its flag: the callers are ``except`` blocks,
+    and torch 2.11's Dynamo, calling ``is_exporting()`` there, loses the handler and reports the
+    exception being handled as uncaught (``Unsupported: Observed exception``); reading the flag is
+    traced as a constant."""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
+
+
 def defer_argument_error(
     error: Exception, outputs: Sequence[tuple[Sequence[int], torch.dtype]], device: torch.device
 ) -> tuple[torch.Tensor, ...]:
@@ -69,7 +77,7 @@ def defer_argument_error(
         outputs: ``(shape, dtype)`` of each output of the operation.
         device: where the outputs would be.
     """
-    if torch.compiler.is_exporting():
+    if _exporting():
         raise error
     exc_type = "ValueError"
     for name, cls in _EXCEPTIONS.items():
