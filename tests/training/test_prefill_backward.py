@@ -17,6 +17,10 @@ from sparse_mla.training.reference import sparse_attention_twin, sparse_prefill_
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
+#: the kernel against the fp32 twin, relative to the largest gradient: the interpreter's products
+#: take fp32 operands; a GPU's take bf16 ones (P and dS rounded to bf16, as FlashAttention's
+#: backward does), 0.1-0.3 % off on the H100
+KERNEL_TOL = 1e-2 if ON_GPU else 1e-5
 needs_kernels = pytest.mark.skipif(not (ON_GPU or triton_interpret_enabled()), reason="needs CUDA or the interpreter")
 
 
@@ -150,7 +154,7 @@ def kernel_vs_twin(q, kv, idx, scale, sink, tl, seed=5, poison=None):
         if w is None:
             assert g is None
             continue
-        assert_close(g, w, 1e-5, name)
+        assert_close(g, w, KERNEL_TOL, name)
     return got
 
 
