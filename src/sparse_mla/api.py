@@ -102,8 +102,7 @@ def flash_mla_with_kvcache(
             ``"reference"`` (keyword only; not in FlashMLA). Fixed by the first call of a
             scheduler object; ``tile_scheduler_metadata.backend`` tells which one runs. The
             dense decode runs on ``"portable"`` (any GPU, or the CPU under ``TRITON_INTERPRET=1``)
-            or ``"reference"``; ``"hopper"`` serves it (bf16 q) only where
-            ``SPARSE_MLA_HOPPER_DENSE=1`` (not yet run on a GPU).
+            or ``"reference"``.
         out: optional ``[b, s_q, h_q, 512]`` buffer of q's dtype (last dim contiguous, other
             strides free) the result is written into and returned (keyword only; not in FlashMLA).
         lse: optional ``[b, h_q, s_q]`` fp32 buffer (any strides), likewise.

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 from cache_bytes import poison_slots
-from helpers import GARBAGE_BLOCK, ON_HOPPER, random_latent_k
+from helpers import GARBAGE_BLOCK, random_latent_k
 
 import sparse_mla as flash_mla
-from sparse_mla.decode.backends import _hopper_dense_unsupported, backend_support
-from sparse_mla.decode.problem import dense_as_sparse, validate_dense_decode
+from sparse_mla.decode.backends import backend_support
+from sparse_mla.decode.problem import validate_dense_decode
 from sparse_mla.decode.reference import dense_decode_reference
 from sparse_mla.testing import FLASHMLA_DENSE_DECODE as DENSE
 from sparse_mla.testing import Tolerance, check_decode_close
@@ -264,86 +264,10 @@ def test_reference_backend_and_hopper_refusal():
     check_decode_close(out, lse, *d.twin(), tol=tol_for(d))
     out, lse, meta = d.call()
     assert meta.backend == "portable"
-    with pytest.raises(ValueError, match="^backend: the 'hopper' backend cannot serve this call: it serves the dense"):
+    with pytest.raises(ValueError, match="^backend: the 'hopper' backend cannot serve this call: it serves the sparse"):
         d.call(backend="hopper")
     p = validate_dense_decode(q=d.q, k_cache=d.k_cache, block_table=d.block_table, cache_seqlens=d.cache_seqlens)
-    assert "SPARSE_MLA_HOPPER_DENSE=1" in backend_support(p)["hopper"]
-
-
-# ------------------------------------------------------------------ as the sparse decode (the Hopper route)
-
-
-def _problem(d: Dense):
-    return validate_dense_decode(
-        q=d.q, k_cache=d.k_cache, block_table=d.block_table, cache_seqlens=d.cache_seqlens, causal=d.causal,
-        is_fp8_kvcache=d.fp8,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "fp8, causal, pbs", [(True, False, 16), (True, True, 61), (False, True, 16), (False, False, 1)]
-)
-def test_as_sparse_decode_is_the_same_function(fp8, causal, pbs):
-    """``dense_as_sparse`` (what the Hopper kernel runs for a dense call): every position as an
-    index, ``-1`` where a query token attends nothing (past its length, causal, a garbage table
-    entry), ``cache_seqlens`` as the lengths. FP8: the sparse decode on those indices (through the
-    public call) matches the dense twin; bf16 rows: softmax over the rows the indices name, in
-    float64, matches the oracle. The NaN in every unattended slot reaches neither."""
-    d = make_dense([21, 0, 40], 3, 4, 576, pbs=pbs, fp8=fp8, causal=causal, seed=17)
-    p = _problem(d)
-    sp = dense_as_sparse(p)
-    b, s_q, h_q, _ = d.q.shape
-    assert sp.indices.dtype == torch.int32 and sp.indices.shape == (b, s_q, p.topk)
-    assert not sp.is_dense and sp.block_table is None and not sp.causal and sp.topk_length is p.topk_length
-    if fp8:
-        meta, _ = flash_mla.get_mla_metadata(num_sms=8)
-        out, lse = flash_mla.flash_mla_with_kvcache(
-            d.q, d.k_cache, None, None, 512, meta, is_fp8_kvcache=True, indices=sp.indices, topk_length=d.cache_seqlens
-        )
-        check_decode_close(out, lse, *d.twin(), tol=tol_for(d))
-        return
-    assert sp.k_cache.data_ptr() == d.k_cache.data_ptr() and sp.k_cache.shape == (d.k_cache.shape[0] * pbs, 1, 576)
-    idx = sp.indices.cpu().long()
-    valid = idx >= 0
-    rows = sp.k_cache.cpu()[idx.clamp(min=0), 0].double()  # [b, s_q, cap, 576]
-    rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros((), dtype=torch.float64))
-    s = torch.einsum("bshd,bstd->bsht", d.q.cpu().double(), rows) * 576**-0.5
-    s = s.masked_fill(~valid.unsqueeze(2), -math.inf)
-    lse = torch.logsumexp(s, dim=-1).permute(0, 2, 1)  # [b, h_q, s_q]
-    w = torch.exp(s - lse.permute(0, 2, 1).unsqueeze(-1)).nan_to_num(0.0)
-    out = torch.einsum("bsht,bstd->bshd", w, rows[..., :512])
-    oo, ol = oracle64(d)
-    lse = torch.where(valid.any(-1).unsqueeze(1).expand_as(lse), lse, math.inf)
-    torch.testing.assert_close(out, oo, rtol=1e-10, atol=1e-10)
-    assert torch.equal(torch.isposinf(lse), torch.isposinf(ol))
-    fin = torch.isfinite(ol)
-    torch.testing.assert_close(lse[fin], ol[fin], rtol=1e-10, atol=1e-10)
-
-
-def test_hopper_dense_route_is_opt_in_and_says_what_it_serves(monkeypatch):
-    d = make_dense([30, 7], 2, 16, 576, causal=True, seed=5)
-    monkeypatch.delenv("SPARSE_MLA_HOPPER_DENSE", raising=False)
-    assert "SPARSE_MLA_HOPPER_DENSE=1" in _hopper_dense_unsupported(_problem(d))
-    monkeypatch.setenv("SPARSE_MLA_HOPPER_DENSE", "1")
-    assert _hopper_dense_unsupported(_problem(d)) is None
-    assert _hopper_dense_unsupported(_problem(make_dense([9], fp8=True, seed=6))) is None
-    fp16 = make_dense([9], dtype=torch.float16, seed=7)
-    assert "bf16 queries" in _hopper_dense_unsupported(_problem(fp16))
-    padded = d.k_cache.new_zeros(d.k_cache.shape[0], 20, 1, 576)
-    padded[:, :16] = d.k_cache
-    d.k_cache = padded[:, :16]  # blocks of 16 rows, 20 rows apart: not rows of one stride
-    assert "page_block_size rows apart" in _hopper_dense_unsupported(_problem(d))
-
-
-@pytest.mark.skipif(not ON_HOPPER, reason="the Hopper kernel needs an sm_90 GPU")
-@pytest.mark.parametrize(
-    "fp8, causal, pbs", [(True, True, 64), (False, False, 64), (False, True, 61), (True, False, 2)]
-)
-def test_hopper_route_matches_twin(fp8, causal, pbs, monkeypatch):
-    monkeypatch.setenv("SPARSE_MLA_HOPPER_DENSE", "1")
-    d = make_dense([300, 0, 77, 1], 2, 64, 576, pbs=pbs, fp8=fp8, causal=causal, seed=21)
-    _, _, meta = check(d)
-    assert meta.backend == "hopper"
+    assert "the 'portable' backend serves the dense decode" in backend_support(p)["hopper"]
 
 
 def test_torch_op():

@@ -7,9 +7,7 @@ how many query heads one of its programs serves (the scheduler sizes the partiti
 =============  ==========================================================================
 ``hopper``     warp-specialised Gluon kernel (:mod:`.hopper`): sm_90 GPUs, both caches
                (V32, MODEL1) and every feature of the sparse decode, compiled (not
-               interpreted); the dense decode (bf16 q, FP8 or bf16 cache) only where
-               ``SPARSE_MLA_HOPPER_DENSE=1``, as the sparse decode of every position
-               (:func:`.problem.dense_as_sparse`): not yet measured on a GPU
+               interpreted); not the dense decode
 ``portable``   Triton ``tl`` kernels (:mod:`.portable`, sparse and dense): any GPU Triton
                supports, and the CPU under Triton's interpreter (``TRITON_INTERPRET=1``);
                every feature, sparse and dense
@@ -28,7 +26,6 @@ subclass :class:`Backend` here, and put it in :data:`DECODE_BACKENDS` (its order
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -36,7 +33,7 @@ import torch
 from ..core import backend as core_backend
 from ..core.backend import Anywhere, BackendSet, HopperOnly, TritonOnly, check_backend_override
 from ..core.env import use_triton
-from .problem import DecodeProblem, dense_as_sparse, empty_outputs, finish_outputs, is_empty
+from .problem import DecodeProblem, empty_outputs, finish_outputs, is_empty
 from .scheduler import (
     META_FIELDS,
     ScheduleTable,
@@ -146,9 +143,7 @@ class PortableBackend(TritonOnly, Backend):
 class HopperBackend(HopperOnly, Backend):
     def unsupported(self, problem: Any) -> str | None:
         if getattr(problem, "is_dense", False):
-            why = _hopper_dense_unsupported(problem)
-            if why:
-                return why
+            return "serves the sparse decode only; the 'portable' backend serves the dense decode (and 'reference' anywhere)"
         return super().unsupported(problem)
 
     def heads_per_cta(self, h_q: int) -> int:
@@ -161,23 +156,7 @@ class HopperBackend(HopperOnly, Backend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from .kernels.hopper import launch
 
-        if p.is_dense:  # every position as an index (the schedule is the same: topk_length = cache_seqlens)
-            p = dense_as_sparse(p)
         return launch(p, table, config, workspace)
-
-
-def _hopper_dense_unsupported(p: DecodeProblem) -> str | None:
-    """Why the Hopper kernel does not serve the dense decode ``p`` (None: it does)."""
-    if os.environ.get("SPARSE_MLA_HOPPER_DENSE", "0") != "1":
-        return (
-            "serves the dense decode only where SPARSE_MLA_HOPPER_DENSE=1 (not yet measured on a GPU); "
-            "the 'portable' backend serves it (and 'reference' anywhere)"
-        )
-    if p.q.dtype != torch.bfloat16:
-        return f"serves bf16 queries only (got {p.q.dtype}); the 'portable' backend serves fp16"
-    if not p.fp8_cache and p.k_cache.stride(0) != p.k_cache.shape[1] * p.k_cache.stride(1):
-        return "reads a bf16 cache as rows: its blocks must be page_block_size rows apart (the 'portable' backend reads any strides)"
-    return None
 
 
 #: the decode's backends, in the order ``backend="auto"`` tries them (fastest first)

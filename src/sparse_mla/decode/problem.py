@@ -13,7 +13,6 @@ lengths balances the partitions by context length.
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +47,6 @@ __all__ = [
     "check_traced_dense_args",
     "decode_output_specs",
     "dense_slots",
-    "dense_as_sparse",
     "MAX_H_Q",
 ]
 
@@ -578,20 +576,6 @@ def dense_slots(
     valid = (pos.view(1, 1, cap) < limit.unsqueeze(-1)) & in_cache.unsqueeze(1)  # [b, s_q, cap]
     slots = torch.where(in_cache, phys * page_block_size + pos % page_block_size, -1)
     return torch.where(valid, slots.unsqueeze(1), -1).to(torch.int32)
-
-
-def dense_as_sparse(p: DecodeProblem) -> DecodeProblem:
-    """A dense decode problem as the sparse decode of the same result: indices from
-    :func:`dense_slots`, ``topk_length`` = ``cache_seqlens`` (the schedule's lengths), and a bf16
-    cache ``[num_blocks, page_block_size, 1, d_qk]`` as rows ``[num_blocks * page_block_size, 1,
-    d_qk]`` indexed by slot (its blocks must be ``page_block_size`` rows apart: a view, no copy).
-    What the sparse kernels then compute is the dense decode's out and lse: the same keys, none
-    twice, the rest skipped as invalid (out 0, lse +inf where nothing is attended)."""
-    assert p.is_dense
-    nb, pbs = p.k_cache.shape[0], p.k_cache.shape[1]
-    idx = dense_slots(p.block_table, p.topk_length, nb, pbs, p.q.shape[1], p.causal)
-    cache = p.k_cache if p.fp8_cache else p.k_cache.view(nb * pbs, 1, p.k_cache.shape[-1])
-    return dataclasses.replace(p, k_cache=cache, indices=idx, block_table=None, causal=False)
 
 
 def is_empty(p: DecodeProblem) -> bool:

@@ -5,7 +5,7 @@ supports, and the CPU under Triton's interpreter. Twin:
 Two kernels, so that no program holds both a query's ``dq`` and a row block's ``dK``, and every
 dot is wgmma-sized on sm_90a (64 rows on its M side):
 
-* ``dq``: one program per query token and ``BLOCK_H`` of its heads (grid ``(s_q, ceil(h_q /
+* ``dq``: one program per query token and ``BLOCK_H`` (32) of its heads (grid ``(s_q, ceil(h_q /
   BLOCK_H))``), as the forward kernel. It holds ``q``, ``dO``, ``D = rowsum(dO ∘ out)`` and ``lse'
   = logaddexp(lse, sink)`` of its heads and walks the token's valid top-k list ``BLOCK_N`` rows a
   step: gathers the rows (bf16, masked loads: invalid and unattended rows are never read),
@@ -44,9 +44,10 @@ BLOCK_N = 64
 #: thread with mma.sync, compiled offline for sm_80 / sm_86)
 DKV_ROWS = {"sm_90a": 64, "sm_100a": 64}
 DKV_ROWS_ELSE = 32
-#: heads per ``dq`` program, tried in order until the variant fits the GPU's shared memory: 64
-#: heads make the dots wgmma-sized on sm_90a (q and dO of 64 heads: 136 KB); 16 for ~100 KB GPUs
-_HEAD_TILES = (64, 32, 16)
+#: heads per ``dq`` program, tried in order until the variant fits the GPU's shared memory (16 for
+#: ~100 KB GPUs): the heads are the products' N side, so 32 keeps them wgmma-sized; 32 took 87.0
+#: ms against 90.1 for 64 (H100, s_q 4096, h_q 128, topk 2048, the whole backward)
+_HEAD_TILES = (32, 16)
 _HEAD_TILE_REFUSED: set = set()  # ((device, target, constexprs, warps), head tile) refused for shared memory
 #: heads per step of the ``dkv`` program (halved, down to 16, where shared memory is short)
 DKV_HEADS = 32
