@@ -53,7 +53,10 @@ def test_a_backend_that_cannot_serve_says_why(monkeypatch):
     for bs in SETS:
         with pytest.raises(ValueError, match=r"^backend: the 'portable' backend cannot serve this call: it runs CPU"):
             bs.resolve(_P(), "portable")
-    with pytest.raises(ValueError, match=r"^backend: the 'hopper' backend cannot serve this call: it needs a CUDA"):
+    with pytest.raises(
+        ValueError,
+        match=r"^backend: the 'hopper' backend cannot serve this call: it needs an sm_90 \(Hopper\) GPU, the tensors are on cpu$",
+    ):
         DECODE_BACKENDS.resolve(_P(), "hopper")
 
 
@@ -150,3 +153,14 @@ def test_a_decode_backend_that_is_not_a_str_is_a_type_error(monkeypatch):
         flash_mla.flash_mla_with_kvcache(
             q, cache, None, None, 512, meta, is_fp8_kvcache=True, indices=idx, backend=np.array(["auto", "x"])
         )
+
+
+def test_the_hopper_refusal_says_what_is_missing(monkeypatch):
+    """Tensors on the CPU are named as such; a CUDA device under the interpreter is told that
+    the interpreter is what stands in the way (not that a GPU is missing)."""
+    from sparse_mla.core import backend
+
+    monkeypatch.setattr(backend, "interpreting", lambda: False)
+    assert backend.sm90_unsupported(CPU) == "needs an sm_90 (Hopper) GPU, the tensors are on cpu"
+    monkeypatch.setattr(backend, "interpreting", lambda: True)
+    assert backend.sm90_unsupported(torch.device("cuda", 0)) == "needs compiled kernels: TRITON_INTERPRET=1 is set"

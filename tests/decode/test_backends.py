@@ -62,11 +62,11 @@ def test_auto_picks_the_first_that_serves(monkeypatch):
     if HOPPER:
         assert want == "hopper"
     elif KERNELS:
-        assert want == "portable" and "CUDA" in support["hopper"]
+        assert want == "portable" and "sm_90" in support["hopper"]
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     if not ON_GPU:  # CPU tensors without the interpreter: only the reference serves them
         support = backend_support(dp)
-        assert "TRITON_INTERPRET=1" in support["portable"] and support["hopper"].startswith("needs a CUDA device")
+        assert "TRITON_INTERPRET=1" in support["portable"] and support["hopper"].startswith("needs an sm_90")
         assert resolve_backend(dp).name == "reference"
 
 
@@ -79,7 +79,8 @@ def test_unavailable_backend_says_why(monkeypatch):
     ):
         call(p, backend="portable")
     with pytest.raises(
-        ValueError, match=r"^backend: the 'hopper' backend cannot serve this call: it needs a CUDA device"
+        ValueError,
+        match=r"^backend: the 'hopper' backend cannot serve this call: it needs an sm_90 \(Hopper\) GPU, the tensors are on cpu$",
     ):
         call(p, backend="hopper")
     with pytest.raises(ValueError, match="^backend: expected 'auto' or one of"):

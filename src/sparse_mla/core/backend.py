@@ -50,8 +50,10 @@ def problem_device(problem: Any) -> torch.device:
 def sm90_unsupported(dev: torch.device) -> str | None:
     """Why a Gluon Hopper kernel cannot run on ``dev`` (None when it can): it needs compiled
     kernels on an sm_90 GPU."""
-    if dev.type != "cuda" or interpreting():
-        return "needs a CUDA device and compiled kernels (not TRITON_INTERPRET=1)"
+    if dev.type != "cuda":
+        return f"needs an sm_90 (Hopper) GPU, the tensors are on {dev.type}"
+    if interpreting():
+        return "needs compiled kernels: TRITON_INTERPRET=1 is set"
     t = device_target(dev)
     if not t.hopper:
         as_ = " as SPARSE_MLA_TARGET asks" if emulated_target() is not None else ""
