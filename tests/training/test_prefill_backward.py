@@ -168,8 +168,19 @@ def test_kernel_matches_the_twin(case, d_qk):
 
 
 @needs_kernels
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_kernel_several_head_tiles_and_row_blocks(d_qk):
+    """40 heads and 70 listed rows: two ``dq`` programs per token (32-head tiles, the second
+    masked past head 40), ``dkv`` programs walking two head steps (the second masked) over 2-3
+    row blocks (64 or 32 rows, the last partial), with list lengths that end inside a block."""
+    q, kv, idx, sink, tl = make_case(3, 40, 70, d_qk, s_kv=160, seed=11, sink=True, topk_length=[70, 33, 64])
+    dq, dkv, _ = kernel_vs_twin(q, kv, idx, d_qk**-0.5, sink, tl)
+    assert (dq[:, 32:].abs().sum(dim=-1) > 0).all()  # the second head tile was written
+
+
+@needs_kernels
 def test_kernel_several_head_tiles_and_shared_keys():
-    # 20 heads: one 64-head tile with masked heads; every query lists the same 6 rows (atomics
+    # 20 heads: one 32-head tile with masked heads; every query lists the same 6 rows (atomics
     # from several programs into one row), and a 7th row twice
     q, kv, _, sink, _ = make_case(3, 20, 8, seed=6, sink=True)
     idx = torch.tensor([[[0, 1, 2, 3, 4, 5, 6, 6]]] * 3, dtype=torch.int32, device=DEVICE)
