@@ -1,5 +1,5 @@
 """Which implementation runs the sparse prefill's backward (``backend=``, resolved as every
-operation's, :mod:`sparse_mla.core.backend`): the portable Triton kernel where Triton runs the
+operation's, :mod:`sparse_mla.core.backend`): the portable Triton kernels where Triton runs the
 tensors (CUDA, or the CPU under ``TRITON_INTERPRET=1``), else the fp32 PyTorch twin."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def _sink_terms(p: BackwardProblem) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 class PortableBackward(TritonOnly):
-    """The Triton ``tl`` kernel, grid ``(s_q, head tiles)``, ``dkv`` by fp32 atomics."""
+    """The Triton ``tl`` kernels: ``dq`` (grid ``(s_q, head tiles)``) and ``dkv`` (one program per
+    token and block of its listed rows, summed over the heads before one fp32 atomic add each)."""
 
     def launch(self, p: BackwardProblem) -> Grads:
         from .kernels.backward import launch

@@ -297,6 +297,7 @@ def launch(
     require_runnable(_sparse_prefill_dkv_kernel, q.device, _dkv_heads, _probs_t)
     s_q, h_q, d_qk = q.shape
     dev = q.device
+    target = device_target(dev)
     dq = torch.empty(s_q, h_q, d_qk, dtype=torch.float32, device=dev)
     dkv = torch.zeros(kv.shape[0], d_qk, dtype=torch.float32, device=dev)
     lse2 = (lse_eff * LOG2E).contiguous()
@@ -305,7 +306,7 @@ def launch(
         IS_V32=d_qk == 576,
         BLOCK_N=BLOCK_N,
         HAS_TOPK_LEN=topk_length is not None,
-        **dot_consts(device_target(dev)),
+        **dot_consts(target),
     )
     heads_and_rows = (
         (q, q.stride(0), q.stride(1)),
@@ -314,7 +315,7 @@ def launch(
         (indices, indices.stride(0), indices.stride(2), topk_length if topk_length is not None else indices),
         (delta, lse2),
     )
-    key = (dev, device_target(dev).name, tuple(consts.items()), num_warps)
+    key = (dev, target.name, tuple(consts.items()), num_warps)
     # dq: head tiles tried largest first (the smallest tile is never marked refused: its refusal is raised)
     args = (*heads_and_rows, (dq, dq.stride(0), dq.stride(1)), h_q, topk, sm_scale * LOG2E, sm_scale)
     tiles = [t for t in _HEAD_TILES if t < 2 * h_q or t == _HEAD_TILES[-1]]
@@ -330,7 +331,7 @@ def launch(
                 raise
             _HEAD_TILE_REFUSED.add((key, block_h))
     # dkv: BLOCK_N rows of one query a program, every head; the heads a step shrink where shared memory is short
-    rows = DKV_ROWS.get(device_target(dev).name, DKV_ROWS_ELSE)
+    rows = DKV_ROWS.get(target.name, DKV_ROWS_ELSE)
     n_row_blocks = cdiv(topk, rows)
     args = (*heads_and_rows, (dkv, dkv.stride(0)), h_q, topk, n_row_blocks, sm_scale * LOG2E, sm_scale)
     launch_fitting(
